@@ -1,0 +1,51 @@
+"""TorchTPU: a native PyTorch backend for XLA devices (TPU, then GPU, then CPU).
+
+``import torch_tpu`` registers the ``tpu`` device. Tensors on it are plain ``torch.Tensor`` objects
+whose data are jax arrays; every ATen op is lowered once, to jax, in :mod:`torch_tpu.ops`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_PLATFORM = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
+if _PLATFORM:
+    if _PLATFORM not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"TORCH_TPU_PLATFORM={_PLATFORM!r}: expected cpu, gpu or tpu")
+    jax.config.update("jax_platforms", {"gpu": "cuda"}.get(_PLATFORM, _PLATFORM))
+# Exact int64 and float64, as PyTorch has them. On TPU, 64-bit types are emulated (slower);
+# see docs/precision.md.
+jax.config.update("jax_enable_x64", True)
+
+from torch_tpu import _device  # noqa: E402
+
+_device.register()
+
+from torch_tpu import _dispatch, _fallback, _kernels, ops  # noqa: E402,F401
+
+_dispatch.register_lowerings()
+_fallback.register()
+
+from torch_tpu._device import platform  # noqa: E402
+from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
+from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
+from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
+
+
+def sync() -> None:
+    """Waits for queued device work. In fused mode it is also the explicit trace boundary."""
+    _device.synchronize()
+
+
+__all__ = [
+    "EagerMode",
+    "get_eager_mode",
+    "metrics",
+    "metrics_report",
+    "platform",
+    "reset_metrics",
+    "set_eager_mode",
+    "sync",
+]

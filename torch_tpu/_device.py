@@ -1,0 +1,215 @@
+"""The ``tpu`` device: PrivateUse1 renamed, and the ``torch.tpu`` module (shaped like ``torch.cuda``).
+
+This module object itself is registered as ``torch.tpu``.
+
+Device indices: ``tpu:N`` names the N-th local XLA device. PyTorch's Python-only backend hooks
+(``torch._C._acc``) create every tensor on index 0 and give no way to place one elsewhere, so
+tensors live on ``tpu:0``; using more devices goes through SPMD sharding (the distributed issue),
+and ``tpu:N`` for an N>0 that exists raises ``NotImplementedError`` saying so. An index that does
+not exist raises ``RuntimeError`` as CUDA does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import torch
+
+from torch_tpu import _rng
+from torch_tpu.runtime.executor import synchronize as _synchronize
+
+_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def platform() -> str:
+    """The XLA platform tpu tensors run on: ``"tpu"``, ``"gpu"`` or ``"cpu"``."""
+    return _PLATFORM_NAMES.get(jax.devices()[0].platform, jax.devices()[0].platform)
+
+
+@functools.lru_cache(maxsize=1)
+def _devices() -> tuple[Any, ...]:
+    return tuple(jax.local_devices())
+
+
+def jax_device(index: int | None = 0) -> Any:
+    """The jax device behind ``tpu:index``."""
+    return _devices()[check_index(index)]
+
+
+def check_index(index: int | None) -> int:
+    """Validates a device index, raising as CUDA does for one that does not exist."""
+    index = 0 if index is None or index < 0 else index
+    n = len(_devices())
+    if index >= n:
+        raise RuntimeError(f"tpu: invalid device ordinal {index}: there are {n} tpu device(s) ({platform()})")
+    if index > 0:
+        raise NotImplementedError(
+            f"tpu:{index}: tensors live on tpu:0 (PyTorch's Python backend hooks create every tensor on "
+            "index 0); use torch_tpu.distributed sharding to spread work over the other devices"
+        )
+    return index
+
+
+# ------------------------------------------------------------------ the torch.cuda-like API
+def is_available() -> bool:
+    return len(_devices()) > 0
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return len(_devices())
+
+
+def current_device() -> int:
+    return 0
+
+
+def set_device(device: int | str | torch.device) -> None:
+    check_index(_index_of(device))
+
+
+def _index_of(device: int | str | torch.device | None) -> int | None:
+    if device is None or isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "tpu":
+        raise ValueError(f"expected a tpu device, got {d}")
+    return d.index
+
+
+@contextlib.contextmanager
+def device(device: int | str | torch.device | None) -> Iterator[None]:
+    """Context manager selecting a device, like ``torch.cuda.device``."""
+    check_index(_index_of(device))
+    yield
+
+
+def synchronize(device: int | str | torch.device | None = None) -> None:
+    """Waits for every queued computation on the device."""
+    _synchronize()
+
+
+def manual_seed(seed: int) -> None:
+    _rng.manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    _rng.manual_seed(seed)
+
+
+def seed() -> int:
+    return _rng.seed()
+
+
+def seed_all() -> int:
+    return _rng.seed()
+
+
+def initial_seed() -> int:
+    return _rng.initial_seed()
+
+
+def get_rng_state(device: int | str | torch.device = "tpu") -> torch.Tensor:
+    return _rng.get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: int | str | torch.device = "tpu") -> None:
+    _rng.set_state(new_state)
+
+
+def get_device_name(device: int | str | torch.device | None = None) -> str:
+    d = jax_device(_index_of(device))
+    return f"{d.device_kind} ({d.platform}:{d.id})"
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What XLA tells about a device."""
+
+    name: str
+    platform: str
+    device_kind: str
+    id: int
+    total_memory: int | None
+
+
+def get_device_properties(device: int | str | torch.device | None = None) -> DeviceProperties:
+    d = jax_device(_index_of(device))
+    stats = _memory_stats_or_none(d)
+    return DeviceProperties(
+        name=get_device_name(device),
+        platform=d.platform,
+        device_kind=d.device_kind,
+        id=d.id,
+        total_memory=None if stats is None else stats.get("bytes_limit"),
+    )
+
+
+def _memory_stats_or_none(d: Any) -> dict[str, int] | None:
+    try:
+        return d.memory_stats()
+    except Exception:  # some PJRT clients raise instead of returning None
+        return None
+
+
+def memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
+    """XLA's memory statistics. Raises where the platform keeps none (XLA:CPU): never a made-up 0."""
+    d = jax_device(_index_of(device))
+    stats = _memory_stats_or_none(d)
+    if not stats:
+        raise RuntimeError(f"torch.tpu.memory_stats: the XLA {d.platform} platform reports no memory statistics")
+    return stats
+
+
+def memory_allocated(device: int | str | torch.device | None = None) -> int:
+    return int(memory_stats(device)["bytes_in_use"])
+
+
+def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
+    stats = memory_stats(device)
+    return int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported() -> bool:
+    return True
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def register() -> None:
+    """Renames PrivateUse1 to ``tpu`` and installs this module as ``torch.tpu``."""
+    import sys
+
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend("tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard())

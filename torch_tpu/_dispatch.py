@@ -1,0 +1,271 @@
+"""From the PyTorch dispatcher to the lowering table.
+
+For every lowered functional overload this registers three ``PrivateUse1`` kernels: the
+functional one, its in-place twin and its ``out=`` twins. Each kernel:
+
+1. turns its arguments into a hashable signature (tensor shapes and dtypes, static values) and a
+   list of runtime inputs (jax arrays and Python numbers);
+2. on the first call with that signature, runs torch's own meta kernel. That raises exactly the
+   errors CPU raises (shapes, dtypes, in-place casts) and gives the result's shape and dtype. It
+   then builds a :class:`Program` that calls the lowering and casts to those dtypes;
+3. runs the program through the executor and wraps the outputs as tpu tensors.
+
+CompositeImplicitAutograd overloads are never registered: a backend kernel would hide their
+autograd formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import torch
+
+from torch_tpu import _dtypes, _rng
+from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
+from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
+from torch_tpu.runtime import metrics
+from torch_tpu.runtime.executor import Program, execute
+
+aten = torch.ops.aten
+_IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
+
+
+class _Tensor(tuple):
+    """Signature of a tensor argument: (shape, dtype). A distinct type so it can't be confused
+    with a user's tuple."""
+
+
+class _Scalar(tuple):
+    """Signature of a runtime Python number or CPU 0-dim tensor: (python type or dtype,)."""
+
+
+def device_mismatch(op_name: str, other: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
+        f"{other}! (when checking argument for {op_name})"
+    )
+
+
+def _spec(a: Any, scalar_is_dynamic: bool, dyn: list, op_name: str) -> Any:
+    """The signature of one argument, appending its runtime inputs to ``dyn``."""
+    if isinstance(a, torch.Tensor):
+        if a.device.type == "tpu":
+            dyn.append(read(a))
+            return _Tensor((tuple(a.shape), a.dtype))
+        if a.dim() == 0 and a.device.type == "cpu":  # a wrapped number, allowed as on CUDA
+            dyn.append(_dtypes.cpu_to_numpy(a))
+            return _Scalar((a.dtype,))
+        raise device_mismatch(op_name, a.device)
+    t = type(a)
+    if t is float or t is complex or (scalar_is_dynamic and (t is int or t is bool)):
+        dyn.append(a)
+        return _Scalar((t,))
+    if t is list or t is tuple:
+        return tuple(_spec(x, scalar_is_dynamic, dyn, op_name) for x in a)
+    return a
+
+
+def _rebuild(s: Any, it) -> Any:
+    """The lowering's argument from its signature, taking runtime inputs from ``it``."""
+    t = type(s)
+    if t is _Tensor or t is _Scalar:
+        return next(it)
+    if t is tuple:
+        return [_rebuild(x, it) for x in s]
+    return s
+
+
+def _meta(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_meta(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("meta")
+    if isinstance(a, str) and a.startswith("tpu"):
+        return "meta"
+    return a
+
+
+def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Runs torch's meta kernel: raises CPU's errors, returns meta tensors of the results."""
+    out = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: list[torch.Tensor] = []
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            flat.append(o)
+        else:
+            flat.extend(o)
+    return flat
+
+
+class _OpKernel:
+    """The PrivateUse1 kernel of one ATen overload, backed by one lowering."""
+
+    def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, kind: str) -> None:
+        self.op = op
+        self.name = str(op)
+        self.lowering = lowering
+        self.kind = kind  # functional | inplace | out
+        schema = op._schema
+        self.dynamic = {a.name: (not lowering.static_scalars and "Scalar" in str(a.type)) for a in schema.arguments}
+        self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
+        self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+        self.returns_list = len(schema.returns) == 1 and "[]" in str(schema.returns[0].type)
+        self.single = len(schema.returns) == 1 and not self.returns_list
+        self.cache: dict[Any, tuple[Program, list[tuple[tuple[int, ...], torch.dtype]]]] = {}
+
+    # -- building a program for one signature
+    def _build(self, key: Any, args: tuple, kwargs: dict) -> tuple[Program, list]:
+        metas = meta_outputs(self.op, args, kwargs)
+        if self.kind == "inplace":
+            self_meta = _meta(args[0])
+            metas = [self_meta]
+        avals = [(tuple(m.shape), m.dtype) for m in metas]
+        jax_dtypes = [_dtypes.to_jax(d) for _, d in avals]
+        fn = self.lowering.fn
+        pos_spec, kw_spec = key
+        random = self.lowering.random
+        name = self.name
+        kw_names = [k for k, _ in kw_spec]
+
+        def program(*inputs):
+            it = iter(inputs)
+            pre = [_rng.key_from(next(it), next(it))] if random else []
+            pargs = [_rebuild(s, it) for s in pos_spec]
+            pkw = {k: _rebuild(s, it) for k, s in zip(kw_names, (s for _, s in kw_spec))}
+            res = fn(*pre, *pargs, **pkw)
+            res = list(res) if isinstance(res, (tuple, list)) else [res]
+            if len(res) != len(avals):
+                raise RuntimeError(f"lowering of {name} returned {len(res)} outputs, expected {len(avals)}")
+            outs = []
+            for r, (shape, _), jdt in zip(res, avals, jax_dtypes):
+                r = jnp.asarray(r)
+                if r.dtype != jdt:
+                    r = r.astype(jdt)
+                if tuple(r.shape) != shape:
+                    r = jnp.broadcast_to(r, shape)  # raises if the lowering got the shape wrong
+                outs.append(r)
+            return tuple(outs)
+
+        sig = ", ".join(_describe(s) for s in pos_spec)
+        return Program(f"{name}({sig})", program), avals
+
+    # -- the kernel
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[self.name] += 1
+        if self.lowering.check is not None:
+            self.lowering.check(*args, **kwargs)
+        dyn: list = []
+        name = self.name
+        pos = tuple(_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic))
+        kw = tuple(
+            (k, _spec(v, self.dynamic.get(k, False), dyn, name))
+            for k, v in kwargs.items()
+            if k not in _IGNORED_KWARGS and k not in self.out_names
+        )
+        key = (pos, kw)
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self.cache[key] = self._build(key, args, kwargs)
+        program, avals = entry
+        if self.lowering.random:
+            dyn[:0] = _rng.next_inputs()
+        outs = execute(program, *dyn)
+        if self.kind == "inplace":
+            write(args[0], outs[0])
+            return args[0]
+        if self.kind == "out":
+            targets = [kwargs[n] for n in self.out_names]
+            for t, value, (shape, _) in zip(targets, outs, avals):
+                if not is_tpu(t):
+                    raise device_mismatch(name, t.device)
+                if tuple(t.shape) != shape:
+                    set_base(t, shape, t.dtype, None)
+                write(t, value)
+            return targets[0] if len(targets) == 1 else tuple(targets)
+        tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
+        if self.single:
+            return tensors[0]
+        return tensors if self.returns_list else tuple(tensors)
+
+
+def _describe(s: Any) -> str:
+    if type(s) is _Tensor:
+        return f"{str(s[1]).removeprefix('torch.')}{list(s[0])}"
+    if type(s) is _Scalar:
+        return getattr(s[0], "__name__", str(s[0]))
+    if type(s) is tuple:
+        return "[" + ", ".join(_describe(x) for x in s) + "]"
+    return repr(s)
+
+
+# ------------------------------------------------------------------------------ registration
+_lib = torch.library.Library("aten", "IMPL")
+REGISTERED: dict[str, str] = {}  # overload name -> how it is served
+
+
+def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+    except RuntimeError:
+        return False
+
+
+def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
+    """Registers ``fn`` as the PrivateUse1 kernel of ``op``."""
+    name = op.name().split("::", 1)[1]
+    if op._overloadname != "default":
+        name = f"{name}.{op._overloadname}" if "." not in name else name
+    _lib.impl(name, fn, "PrivateUse1")
+    REGISTERED[str(op)] = how
+
+
+def kernel(*ops: torch._ops.OpOverload) -> Callable[[Callable], Callable]:
+    """Registers a hand-written PrivateUse1 kernel (for ops that are not pure array functions)."""
+
+    def deco(fn: Callable) -> Callable:
+        for op in ops:
+            register_kernel(op, fn, "kernel")
+        return fn
+
+    return deco
+
+
+def _twins(op: torch._ops.OpOverload) -> list[tuple[torch._ops.OpOverload, str]]:
+    """The in-place and out= overloads computed by ``op``'s lowering."""
+    schema = op._schema
+    base = schema.name.split("::")[1]
+    found = []
+    inplace = getattr(getattr(aten, base + "_", None), op._overloadname, None)
+    if inplace is not None:
+        found.append((inplace, "inplace"))
+    names = [a.name for a in schema.arguments]
+    for cand in dispatcher_overloads(getattr(aten, base)):
+        if cand is op or not is_mutating(cand):
+            continue
+        outs = [a for a in cand._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+        rest = [a.name for a in cand._schema.arguments if a not in outs]
+        if outs and rest == names:
+            found.append((cand, "out"))
+    return found
+
+
+def register_lowerings() -> int:
+    """Registers kernels for every lowering in the table; returns how many."""
+    n = 0
+    for op, lowering in LOWERINGS.items():
+        kind = "inplace" if is_mutating(op) else "functional"
+        todo = [(op, kind)] + (_twins(op) if kind == "functional" else [])
+        for target, k in todo:
+            if str(target) in REGISTERED or _has_kernel(target, "CompositeImplicitAutograd"):
+                continue
+            if k != "functional" and target in LOWERINGS:
+                continue
+            register_kernel(target, _OpKernel(target, lowering, k), f"lowering ({k})")
+            n += 1
+    return n

@@ -1,0 +1,62 @@
+"""The one map between torch dtypes and jax/numpy dtypes.
+
+bfloat16 has no native numpy type; jax uses ``ml_dtypes.bfloat16``, and host copies go through
+a same-width integer view so that no value is rounded on the way.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+
+TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(jnp.float32),
+    torch.float64: np.dtype(jnp.float64),
+    torch.float16: np.dtype(jnp.float16),
+    torch.bfloat16: np.dtype(jnp.bfloat16),
+    torch.int64: np.dtype(jnp.int64),
+    torch.int32: np.dtype(jnp.int32),
+    torch.int16: np.dtype(jnp.int16),
+    torch.int8: np.dtype(jnp.int8),
+    torch.uint8: np.dtype(jnp.uint8),
+    torch.uint16: np.dtype(jnp.uint16),
+    torch.uint32: np.dtype(jnp.uint32),
+    torch.uint64: np.dtype(jnp.uint64),
+    torch.bool: np.dtype(jnp.bool_),
+    torch.complex64: np.dtype(jnp.complex64),
+    torch.complex128: np.dtype(jnp.complex128),
+}
+JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
+
+
+def to_jax(dtype: torch.dtype) -> np.dtype:
+    """The jax dtype for a torch dtype, or a TypeError that names the dtype."""
+    try:
+        return TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise TypeError(f"tpu: dtype {dtype} is not supported on the tpu device") from None
+
+
+def to_torch(dtype) -> torch.dtype:
+    """The torch dtype for a jax/numpy dtype."""
+    return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A contiguous numpy array with the exact bits of a CPU tensor (bfloat16 included)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.resolve_conj().resolve_neg().numpy()
+
+
+def numpy_to_cpu(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor with the bits of a numpy array (bfloat16 included)."""
+    a = np.ascontiguousarray(a)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)

@@ -1,0 +1,119 @@
+"""What happens to an ATen op with no lowering: decompose, else run on CPU, never silently.
+
+1. A view op runs its meta kernel (it only computes sizes and strides).
+2. An op with a ``torch._decomp`` decomposition runs it; its pieces come back through the
+   dispatcher to the lowering table. A per-thread guard stops cycles (arange -> iota -> arange).
+3. Otherwise the op runs on CPU: inputs copied to the host, outputs and mutated inputs copied back.
+   Each op warns once and is counted in ``torch_tpu.metrics()``. ``TORCH_TPU_STRICT=1`` turns this
+   into a ``NotImplementedError`` naming the op.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch_tpu._storage import is_tpu, new_tensor, set_base, to_cpu, write
+from torch_tpu.runtime import metrics
+
+DK = torch._C.DispatchKey
+_guard = threading.local()
+_warned: set[str] = set()
+
+
+def strict() -> bool:
+    return os.environ.get("TORCH_TPU_STRICT", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    table = dict(decomposition_table)
+    table.update(core_aten_decompositions())
+    return table
+
+
+def _to_cpu_arg(a: Any) -> Any:
+    if is_tpu(a):
+        return to_cpu(a).clone()
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
+    return a
+
+
+def _from_cpu(x: Any) -> Any:
+    from torch_tpu._kernels import host_to_device
+
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return new_tensor(tuple(x.shape), x.dtype, host_to_device(x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_from_cpu(y) for y in x)
+    return x
+
+
+def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Runs ``op`` on CPU copies of its inputs and brings the results back."""
+    name = str(op)
+    if strict():
+        raise NotImplementedError(f"tpu: {name} has no lowering, and TORCH_TPU_STRICT=1 forbids the CPU fallback")
+    metrics.fallback_counts[name] += 1
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"tpu: {name} has no lowering; it runs on CPU (counted in torch_tpu.metrics())", stacklevel=3)
+    flat, spec = tree_flatten((args, kwargs))
+    cargs, ckwargs = tree_unflatten([_to_cpu_arg(a) for a in flat], spec)
+    if "device" in ckwargs and ckwargs["device"] is not None and torch.device(ckwargs["device"]).type == "tpu":
+        ckwargs["device"] = torch.device("cpu")
+    out = op(*cargs, **ckwargs)
+    schema = op._schema
+    mutated = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        src = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        res = cargs[i] if i < len(cargs) and not a.kwarg_only else ckwargs.get(a.name)
+        if is_tpu(src):
+            if tuple(res.shape) != tuple(src.shape):
+                set_base(src, tuple(res.shape), src.dtype, None)
+            from torch_tpu._kernels import host_to_device
+
+            write(src, host_to_device(res))
+            mutated.append(src)
+    if mutated and all(r.alias_info is not None for r in schema.returns):
+        return mutated[0] if len(mutated) == 1 else tuple(mutated)
+    return _from_cpu(out)
+
+
+def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """The catch-all PrivateUse1 kernel for every op without a registered one."""
+    if op.is_view:
+        metrics.op_counts[str(op)] += 1
+        key = DK.Meta if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") else DK.CompositeExplicitAutograd
+        return op._op_dk(key, *args, **kwargs)
+    decomp = _decompositions().get(op)
+    active = getattr(_guard, "active", None)
+    if active is None:
+        active = _guard.active = set()
+    if decomp is not None and op not in active:
+        metrics.decomposition_counts[str(op)] += 1
+        active.add(op)
+        try:
+            out = decomp(*args, **kwargs)
+        finally:
+            active.discard(op)
+        if out is not NotImplemented:
+            return out
+    return cpu_fallback(op, args, kwargs)
+
+
+def register() -> None:
+    global _lib
+    _lib = torch.library.Library("_", "IMPL")
+    _lib.fallback(fallback, "PrivateUse1")

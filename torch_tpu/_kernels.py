@@ -1,0 +1,219 @@
+"""Hand-written PrivateUse1 kernels: the tensor life cycle and views.
+
+These are the ops that are not pure functions of arrays: allocation, host transfers, reading a
+scalar, views (which share storage) and storage surgery (``resize_``, ``set_``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torch_tpu import _device, _dtypes
+from torch_tpu._dispatch import device_mismatch, kernel, register_kernel
+from torch_tpu._storage import (
+    base_array,
+    contiguous_strides,
+    is_tpu,
+    new_tensor,
+    read,
+    set_base,
+    to_cpu,
+    to_numpy,
+    write,
+)
+from torch_tpu.runtime import metrics
+
+aten = torch.ops.aten
+DK = torch._C.DispatchKey
+
+
+def _check_device(device: Any) -> None:
+    if device is not None:
+        d = torch.device(device)
+        if d.type == "tpu":
+            _device.check_index(d.index)
+
+
+def _check_size(op: str, size) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in size)
+    if any(s < 0 for s in shape):
+        raise RuntimeError(f"{op}: Trying to create tensor with negative dimension: {list(shape)}")
+    return shape
+
+
+@kernel(aten.empty.memory_format)
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    _check_device(device)
+    return new_tensor(_check_size("empty", size), dtype or torch.get_default_dtype())
+
+
+@kernel(aten.empty_strided.default)
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    # XLA arrays are dense: the result is contiguous whatever stride was asked (as on XLA devices).
+    _check_device(device)
+    return new_tensor(_check_size("empty_strided", size), dtype or torch.get_default_dtype())
+
+
+def host_to_device(t: torch.Tensor) -> Any:
+    """A jax array on tpu:0 with a private copy of a CPU tensor's data."""
+    return jax.device_put(np.array(_dtypes.cpu_to_numpy(t), copy=True), _device.jax_device(0))
+
+
+@kernel(aten._copy_from.default)
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    metrics.op_counts["aten._copy_from"] += 1
+    if is_tpu(dst):
+        if tuple(src.shape) != tuple(dst.shape):
+            src = src.expand(dst.shape) if not is_tpu(src) else src
+        write(dst, read(src) if is_tpu(src) else host_to_device(src))
+        return dst
+    if dst.device.type != "cpu":
+        raise device_mismatch("aten._copy_from", dst.device)
+    with torch.no_grad():
+        dst.copy_(to_cpu(src))
+    return dst
+
+
+@kernel(aten._copy_from_and_resize.default)
+def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if tuple(dst.shape) != tuple(src.shape):
+        dst.resize_(src.shape)
+    return _copy_from(src, dst)
+
+
+@kernel(aten._local_scalar_dense.default)
+def _local_scalar_dense(t: torch.Tensor) -> Any:
+    metrics.op_counts["aten._local_scalar_dense"] += 1
+    if t.numel() != 1:
+        raise RuntimeError(f"a Tensor with {t.numel()} elements cannot be converted to Scalar")
+    value = to_numpy(t).reshape(()).item()
+    if t.dtype.is_floating_point:
+        return float(value)
+    if t.dtype.is_complex:
+        return complex(value)
+    if t.dtype == torch.bool:
+        return bool(value)
+    return int(value)
+
+
+@kernel(aten.equal.default)
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not is_tpu(b):
+        raise device_mismatch("aten.equal", b.device)
+    if a.shape != b.shape:
+        return False
+    return bool(np.asarray(jnp.array_equal(read(a), read(b))))
+
+
+# ------------------------------------------------------------------------------------ views
+def _view_kernel(op: torch._ops.OpOverload):
+    """A view runs torch's own meta kernel on our tensor: exact sizes, strides and offset, and the
+    result shares our storage (so it shares the jax array)."""
+    key = DK.Meta if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") else DK.CompositeExplicitAutograd
+    name = str(op)
+
+    def run(*args, **kwargs):
+        metrics.op_counts[name] += 1
+        return op._op_dk(key, *args, **kwargs)
+
+    return run
+
+
+for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default):
+    register_kernel(_op, _view_kernel(_op), "view (meta)")
+
+
+@kernel(aten.view.dtype)
+def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A bit reinterpretation cannot share a typed array: it is a copy, with a clear note in the docs.
+    if dtype == t.dtype:
+        return t
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").view(dtype)
+    src = read(t)
+    a, b = _dtypes.to_jax(t.dtype), _dtypes.to_jax(dtype)
+    if a.itemsize == b.itemsize:
+        out = jax.lax.bitcast_convert_type(src, b)
+    elif a.itemsize > b.itemsize:
+        out = jax.lax.bitcast_convert_type(src, b).reshape(meta.shape)
+    else:
+        k = b.itemsize // a.itemsize
+        out = jax.lax.bitcast_convert_type(src.reshape(*src.shape[:-1], src.shape[-1] // k, k), b)
+    return new_tensor(tuple(meta.shape), dtype, out)
+
+
+# --------------------------------------------------------------------------- storage surgery
+@kernel(aten.resize_.default)
+def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
+    shape = _check_size("resize_", size)
+    if tuple(t.shape) == shape:
+        return t
+    st = t.untyped_storage()
+    n = math.prod(shape)
+    old = base_array(st).reshape(-1)
+    if t.storage_offset() == 0 and n <= old.size and t.is_contiguous():
+        value = old[:n].reshape(shape)  # shrinking keeps the leading elements, as on CPU
+    else:
+        flat = read(t).reshape(-1)
+        value = jnp.zeros(n, flat.dtype).at[: min(n, flat.size)].set(flat[: min(n, flat.size)]).reshape(shape)
+    set_base(t, shape, t.dtype, value)
+    return t
+
+
+def _storage_value(st: Any, dtype: torch.dtype) -> Any:
+    """A storage's data as a flat array of ``dtype``; raw bytes (from torch.load) are reinterpreted."""
+    raw = getattr(st, "_raw", None)
+    if raw is not None:
+        item = _dtypes.to_jax(dtype).itemsize
+        if dtype == torch.bool:
+            value = raw.astype(jnp.bool_)
+        elif item == 1:
+            value = jax.lax.bitcast_convert_type(raw, _dtypes.to_jax(dtype))
+        else:
+            value = jax.lax.bitcast_convert_type(raw.reshape(-1, item), _dtypes.to_jax(dtype))
+        st._raw = None
+        st._shape, st._dtype, st._jx = (int(value.shape[0]),), dtype, value
+    return st
+
+
+@kernel(aten.set_.source_Storage_storage_offset)
+def _set_storage(t, source, storage_offset, size, stride=()):
+    st = _storage_value(source, t.dtype)
+    if st._dtype != t.dtype:
+        raise RuntimeError(f"set_: storage holds {st._dtype}, tensor is {t.dtype}")
+    stride = list(stride) if len(stride) else list(contiguous_strides(tuple(size)))
+    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, source, storage_offset, list(size), stride)
+    return t
+
+
+@kernel(aten.set_.source_Storage)
+def _set_storage_whole(t, source):
+    st = _storage_value(source, t.dtype)
+    return _set_storage(t, source, 0, [math.prod(st._shape)], [1])
+
+
+@kernel(aten.set_.source_Tensor)
+def _set_tensor(t, source):
+    if not is_tpu(source):
+        raise device_mismatch("aten.set_", source.device)
+    return _set_storage(t, source.untyped_storage(), source.storage_offset(), list(source.shape), list(source.stride()))
+
+
+@kernel(aten.set_.default)
+def _set_empty(t):
+    set_base(t, (0,), t.dtype, None)
+    return t
+
+
+def storage_from_bytes(data: np.ndarray) -> Any:
+    """A tpu storage holding raw bytes, typed when a tensor is set onto it (used by torch.load)."""
+    t = new_tensor((0,), torch.uint8)
+    st = t.untyped_storage()
+    st._raw = jax.device_put(np.array(data, dtype=np.uint8, copy=True), _device.jax_device(0))
+    st._t = t  # keep the owning tensor alive with the storage
+    return st

@@ -1,0 +1,67 @@
+"""The device's random number state.
+
+PyTorch's Python hooks cannot hand a backend a ``torch.Generator``, so the backend keeps its own:
+a seed and a counter. Each random op takes ``fold_in(key(seed), counter)`` *inside* its program,
+with both as runtime inputs, so drawing numbers costs no host-side jax call and never recompiles.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import jax
+import numpy as np
+import torch
+
+_lock = threading.Lock()
+_seed = 0
+_counter = 0
+_initial_seed = 0
+
+
+def manual_seed(seed: int) -> None:
+    global _seed, _counter, _initial_seed
+    with _lock:
+        _seed = _initial_seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+        _counter = 0
+
+
+def seed() -> int:
+    """Seeds with a non-deterministic number, as ``torch.cuda.seed`` does."""
+    s = random.SystemRandom().getrandbits(63)
+    manual_seed(s)
+    return s
+
+
+def initial_seed() -> int:
+    return _initial_seed
+
+
+def next_inputs() -> list[np.ndarray]:
+    """The two runtime inputs of one random op: the seed and a fresh counter value."""
+    global _counter
+    with _lock:
+        _counter += 1
+        c = _counter
+    return [np.uint32(_seed & 0xFFFF_FFFF), np.uint32(c & 0xFFFF_FFFF)]
+
+
+def key_from(seed_in, counter_in):
+    """Inside a program: the PRNG key of one random op."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed_in), counter_in)
+
+
+def get_state() -> torch.Tensor:
+    """The state as a CPU uint8 tensor (seed and counter, 8 bytes each), like ``get_rng_state``."""
+    arr = np.array([_seed, _counter, _initial_seed], dtype=np.uint64)
+    return torch.from_numpy(arr.view(np.uint8).copy())
+
+
+def set_state(state: torch.Tensor) -> None:
+    global _seed, _counter, _initial_seed
+    arr = state.detach().cpu().contiguous().numpy().view(np.uint64)
+    if arr.size != 3:
+        raise RuntimeError(f"torch.tpu.set_rng_state: expected a uint8 tensor of 24 bytes, got {state.numel()}")
+    with _lock:
+        _seed, _counter, _initial_seed = (int(x) for x in arr)

@@ -1,0 +1,226 @@
+"""Where a tpu tensor's data lives, and how views read and write it.
+
+A tpu tensor is a plain ``torch.Tensor`` made by ``torch._C._acc.create_empty_tensor``. Its jax
+array hangs on the tensor's *storage* object (``_jx``), in the contiguous shape of the tensor that
+created the storage (``_shape``). Views share the storage, so they share the array; the array dies
+with the last tensor that uses it.
+
+Reading a view is a strided read of that array and writing one is the matching scatter, which
+replaces the array (jax arrays are immutable). Plans are computed once per (base shape, view
+geometry) and each becomes a cached :class:`Program`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_tpu import _dtypes
+from torch_tpu.runtime.executor import Program, execute
+
+DK = torch._C.DispatchKey
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) -> torch.Tensor:
+    """A fresh contiguous tpu tensor whose storage holds ``value`` (a jax array, or None: unset)."""
+    t = torch._C._acc.create_empty_tensor(shape, dtype)
+    st = t.untyped_storage()
+    st._shape = tuple(shape)
+    st._dtype = dtype
+    st._jx = value
+    return t
+
+
+def is_tpu(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "tpu"
+
+
+# ---------------------------------------------------------------------------------------- plans
+def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    acc = 1
+    for n, s in zip(reversed(size), reversed(stride)):
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> tuple:
+    """How a view (size, stride, offset) sits in a contiguous base array.
+
+    ``("id",)`` the whole base; ``("reshape",)`` the whole base, reshaped; ``("flat", start)`` a
+    contiguous run; ``("slice", index, perm, bshape)`` a strided slice of the base dims, permuted and
+    broadcast; ``("gather",)`` anything else (an as_strided with overlapping or odd strides).
+    """
+    numel = math.prod(size)
+    if numel == 0:
+        return ("empty",)
+    if _is_contiguous(size, stride):
+        if offset == 0 and numel == math.prod(base):
+            return ("id",) if size == base else ("reshape",)
+        return ("flat", offset)
+    bstride = contiguous_strides(base)
+    coord = [(offset // bstride[d]) % base[d] if base[d] else 0 for d in range(len(base))]
+    if sum(c * s for c, s in zip(coord, bstride)) != offset:
+        return ("gather",)
+    owner: dict[int, int] = {}  # base dim -> view dim
+    steps: dict[int, int] = {}
+    for j, (n, s) in enumerate(zip(size, stride)):
+        if n == 1 or s == 0:
+            continue
+        for d in range(len(base)):
+            if d in owner or s % bstride[d] or s < bstride[d]:
+                continue
+            step = s // bstride[d]
+            if coord[d] + (n - 1) * step < base[d]:
+                owner[d], steps[d] = j, step
+                break
+        else:
+            return ("gather",)
+    index = tuple(
+        (coord[d], coord[d] + (size[owner[d]] - 1) * steps[d] + 1, steps[d]) if d in owner else coord[d]
+        for d in range(len(base))
+    )
+    kept = [owner[d] for d in sorted(owner)]  # view dims, in base order
+    perm = tuple(sorted(range(len(kept)), key=lambda k: kept[k]))
+    bshape = tuple(1 if (n == 1 or s == 0) else n for n, s in zip(size, stride))
+    return ("slice", index, perm, bshape)
+
+
+def _flat_index(size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> np.ndarray:
+    idx = np.full(size, offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return idx
+
+
+def _as_index(index: tuple) -> tuple:
+    return tuple(slice(*i) if isinstance(i, tuple) else i for i in index)
+
+
+def _read(plan: tuple, base_shape, size, stride, offset, dtype, base):
+    kind = plan[0]
+    if kind == "empty":
+        return jnp.zeros(size, dtype)
+    if kind == "reshape":
+        return base.reshape(size)
+    if kind == "flat":
+        return lax.slice(base.reshape(-1), (plan[1],), (plan[1] + math.prod(size),)).reshape(size)
+    if kind == "slice":
+        sub = jnp.transpose(base[_as_index(plan[1])], plan[2])
+        return jnp.broadcast_to(sub.reshape(plan[3]), size)
+    return base.reshape(-1)[_flat_index(size, stride, offset)]
+
+
+def _write(plan: tuple, base_shape, size, stride, offset, dtype, base, value):
+    value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), size)
+    kind = plan[0]
+    if kind == "empty":
+        return base
+    if kind in ("id", "reshape"):
+        return value.reshape(base_shape)
+    if kind == "flat":
+        flat = lax.dynamic_update_slice(base.reshape(-1), value.reshape(-1), (plan[1],))
+        return flat.reshape(base_shape)
+    if kind == "slice":
+        kept = [j for j, (n, s) in enumerate(zip(size, stride)) if n != 1 and s != 0]
+        sub = value[tuple(slice(None) if j in kept else 0 for j in range(len(size)))]
+        sub = jnp.transpose(sub, tuple(np.argsort(plan[2])))
+        return base.at[_as_index(plan[1])].set(sub)
+    idx = _flat_index(size, stride, offset).reshape(-1)
+    return base.reshape(-1).at[idx].set(value.reshape(-1)).reshape(base_shape)
+
+
+@functools.lru_cache(maxsize=65536)
+def _read_program(base_shape, size, stride, offset, dtype) -> Program:
+    plan = _plan(base_shape, size, stride, offset)
+    return Program(
+        f"read {plan[0]} {list(size)} of {list(base_shape)}",
+        functools.partial(_read, plan, base_shape, size, stride, offset, dtype),
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _write_program(base_shape, size, stride, offset, dtype) -> Program:
+    plan = _plan(base_shape, size, stride, offset)
+    return Program(
+        f"write {plan[0]} {list(size)} into {list(base_shape)}",
+        functools.partial(_write, plan, base_shape, size, stride, offset, dtype),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _zeros_program(shape, dtype) -> Program:
+    return Program(f"zeros {list(shape)}", lambda: jnp.zeros(shape, dtype))
+
+
+def base_array(st: Any) -> Any:
+    """The storage's whole jax array; an uninitialised storage (``empty``) reads as zeros."""
+    a = st._jx
+    if a is None:
+        a = st._jx = execute(_zeros_program(st._shape, _dtypes.to_jax(st._dtype)))
+    return a
+
+
+def read(t: torch.Tensor) -> Any:
+    """The jax value of tpu tensor ``t``, in ``t``'s own shape."""
+    st = t.untyped_storage()
+    size = tuple(t.shape)
+    if size == st._shape and t.storage_offset() == 0 and t.is_contiguous():
+        return base_array(st)
+    prog = _read_program(st._shape, size, tuple(t.stride()), t.storage_offset(), _dtypes.to_jax(st._dtype))
+    return execute(prog, base_array(st))
+
+
+def write(t: torch.Tensor, value: Any) -> None:
+    """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
+    st = t.untyped_storage()
+    size = tuple(t.shape)
+    jdt = _dtypes.to_jax(st._dtype)
+    if (
+        size == st._shape
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and getattr(value, "dtype", None) == jdt
+        and tuple(getattr(value, "shape", ())) == size
+    ):
+        st._jx = value
+        return
+    prog = _write_program(st._shape, size, tuple(t.stride()), t.storage_offset(), jdt)
+    st._jx = execute(prog, base_array(st), value)
+
+
+def set_base(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, value: Any) -> None:
+    """Re-points ``t`` at a fresh contiguous storage of ``shape`` holding ``value`` (resize_, set_)."""
+    st = t.untyped_storage()
+    DK_META = DK.Meta
+    torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
+        DK_META, t, st, 0, list(shape), list(contiguous_strides(tuple(shape)))
+    )
+    st._shape, st._dtype, st._jx = tuple(shape), dtype, value
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """Copies a tpu tensor to the host (a sync point)."""
+    return np.asarray(read(t))
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return _dtypes.numpy_to_cpu(to_numpy(t), t.dtype).reshape(t.shape)

@@ -1,0 +1,16 @@
+"""The lowering table, one module per op family. Importing this package fills ``LOWERINGS``."""
+
+from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
+    conv,
+    elementwise,
+    factories,
+    indexing,
+    linalg,
+    nn,
+    random,
+    reduction,
+    shape,
+)
+from torch_tpu.ops._registry import LOWERINGS, Lowering, lower
+
+__all__ = ["LOWERINGS", "Lowering", "lower"]

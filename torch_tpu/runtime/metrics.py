@@ -1,0 +1,62 @@
+"""Counters for what reached the device: ops, lowerings compiled, decompositions and CPU fallbacks.
+
+Fallbacks are never silent: every one is counted here and warned about once per op.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+op_counts: collections.Counter[str] = collections.Counter()
+fallback_counts: collections.Counter[str] = collections.Counter()
+decomposition_counts: collections.Counter[str] = collections.Counter()
+compile_counts: collections.Counter[str] = collections.Counter()
+compile_seconds: collections.Counter[str] = collections.Counter()
+
+
+def count_compile(name: str, seconds: float) -> None:
+    """Records one compilation of a per-op program."""
+    with _lock:
+        compile_counts[name] += 1
+        compile_seconds[name] += seconds
+
+
+def reset() -> None:
+    """Clears every counter (the compiled programs themselves stay cached)."""
+    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds):
+        c.clear()
+
+
+def metrics() -> dict[str, Any]:
+    """A snapshot of the counters as plain dicts."""
+    return {
+        "op_counts": dict(op_counts),
+        "fallback_counts": dict(fallback_counts),
+        "decomposition_counts": dict(decomposition_counts),
+        "compile_count": sum(compile_counts.values()),
+        "compile_seconds": round(sum(compile_seconds.values()), 4),
+    }
+
+
+def metrics_report(top: int = 15) -> str:
+    """The counters as a short human-readable report."""
+    m = metrics()
+    lines = [
+        f"ops executed: {sum(op_counts.values())} ({len(op_counts)} distinct)",
+        f"programs compiled: {m['compile_count']} in {m['compile_seconds']:.2f} s",
+    ]
+    if op_counts:
+        lines.append("top ops:")
+        lines += [f"  {n:>8}  {name}" for name, n in op_counts.most_common(top)]
+    if decomposition_counts:
+        lines.append(f"decomposed ops: {sum(decomposition_counts.values())}")
+        lines += [f"  {n:>8}  {name}" for name, n in decomposition_counts.most_common(top)]
+    if fallback_counts:
+        lines.append(f"CPU fallbacks: {sum(fallback_counts.values())}")
+        lines += [f"  {n:>8}  {name}" for name, n in fallback_counts.most_common(top)]
+    else:
+        lines.append("CPU fallbacks: none")
+    return "\n".join(lines)

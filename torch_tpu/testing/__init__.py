@@ -1,0 +1,1 @@
+"""Test helpers shared by the suite and the coverage tools."""

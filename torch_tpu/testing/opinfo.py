@@ -1,0 +1,200 @@
+"""Conformance against PyTorch's own OpInfo database, with CPU as the reference.
+
+For each OpInfo that supports float32 on CPU, its sample inputs run on CPU and on tpu; values,
+shapes and dtypes must match (rtol 1e-3, atol 1e-4). Three verdicts per op:
+
+* ``forward``: every sample's outputs match (a sample CPU rejects must be rejected on tpu too);
+* ``grad``: gradients of the float outputs w.r.t. the inputs match (ops without autograd count
+  as passing when their forward does);
+* ``no_fallback``: the forward passed without any op running on the CPU fallback.
+
+Ops whose results are uninitialised (``empty*``) or random are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torch_tpu
+
+RTOL, ATOL = 1e-3, 1e-4
+MAX_SAMPLES = 6
+
+_RANDOM = {
+    "bernoulli", "cauchy", "exponential", "geometric", "log_normal", "multinomial", "normal", "uniform",
+    "rand_like", "randn_like", "randint_like", "randint", "randn", "rand", "nn.functional.dropout",
+    "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "randperm", "torch._C._nn.rrelu",
+    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "nn.functional.gumbel_softmax",
+}
+_UNINITIALISED_PREFIXES = ("empty", "new_empty", "empty_like", "empty_strided", "empty_permuted")
+
+
+def op_key(op) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def skip_reason(op) -> str | None:
+    if op.name.startswith(_UNINITIALISED_PREFIXES) or op.name in ("new_empty_strided",):
+        return "uninitialised result"
+    if op.name in _RANDOM or op.name.split(".")[-1] in _RANDOM:
+        return "random result"
+    return None
+
+
+def float32_ops() -> list:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return [o for o in op_db if torch.float32 in o.supported_dtypes("cpu")]
+
+
+@dataclasses.dataclass
+class Verdict:
+    name: str
+    forward: bool = False
+    grad: bool = False
+    no_fallback: bool = False
+    skipped: str | None = None
+    error: str = ""
+    fallbacks: tuple[str, ...] = ()
+
+
+def _to_tpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        y = x.detach().to("tpu")
+        return y.requires_grad_(x.requires_grad) if x.requires_grad else y
+    return x
+
+
+def _to_cpu(x: Any) -> Any:
+    return x.detach().to("cpu") if isinstance(x, torch.Tensor) else x
+
+
+def _compare(cpu_out: Any, tpu_out: Any) -> None:
+    a, _ = tree_flatten(cpu_out)
+    b, _ = tree_flatten(tree_map(_to_cpu, tpu_out))
+    if len(a) != len(b):
+        raise AssertionError(f"{len(a)} outputs on CPU, {len(b)} on tpu")
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor):
+                raise AssertionError(f"CPU gave a tensor, tpu gave {type(y).__name__}")
+            torch.testing.assert_close(y, x, rtol=RTOL, atol=ATOL, equal_nan=True)
+        elif isinstance(x, float):
+            torch.testing.assert_close(float(y), x, rtol=RTOL, atol=ATOL, equal_nan=True)
+        elif x != y and not (isinstance(x, torch.dtype | torch.Size | tuple | list) and x == y):
+            raise AssertionError(f"CPU gave {x!r}, tpu gave {y!r}")
+
+
+def _sample_call(op, sample, to_dev):
+    inp = tree_map(to_dev, sample.input)
+    args = tree_map(to_dev, sample.args)
+    kwargs = tree_map(to_dev, sample.kwargs)
+    return inp, args, kwargs, op(inp, *args, **kwargs)
+
+
+def _grads(out: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    flat, _ = tree_flatten(out)
+    outs = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point]
+    if not outs:
+        return []
+    # a fixed, uneven cotangent, built on CPU so the harness itself uses few tpu ops
+    total = sum((o * (torch.arange(o.numel()) % 7 + 1).reshape(o.shape).to(o.device, o.dtype)).sum() for o in outs)
+    gs = torch.autograd.grad(total, inputs, allow_unused=True)
+    return [None if g is None else g.detach().cpu() for g in gs]
+
+
+def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
+    """Runs one OpInfo on CPU and tpu and returns its verdict."""
+    v = Verdict(op_key(op))
+    v.skipped = skip_reason(op)
+    if v.skipped:
+        return v
+    torch_tpu.reset_metrics()
+    try:
+        samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples))
+        for s in samples:
+            try:
+                *_, cpu_out = _sample_call(op, s, lambda x: x)
+            except Exception:
+                continue  # CPU rejects it; tpu must reject it too
+            else:
+                _, _, _, tpu_out = _sample_call(op, s, _to_tpu)
+                _compare(cpu_out, tpu_out)
+                continue
+        v.forward = True
+        v.fallbacks = tuple(sorted(torch_tpu.metrics()["fallback_counts"]))
+        v.no_fallback = not v.fallbacks
+    except Exception as e:
+        v.error = f"forward: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        v.fallbacks = tuple(sorted(torch_tpu.metrics()["fallback_counts"]))
+        return v
+    if not grads or not op.supports_autograd:
+        v.grad = v.forward
+        return v
+    try:
+        samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=True), max_samples))
+        for s in samples:
+            try:
+                cin, cargs, ckw, cout = _sample_call(op, s, lambda x: x)
+                cleaves = [t for t in tree_flatten((cin, cargs, ckw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                cg = _grads(cout, cleaves)
+            except Exception:
+                continue
+            tin, targs, tkw, tout = _sample_call(op, s, _to_tpu)
+            tleaves = [t for t in tree_flatten((tin, targs, tkw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tg = _grads(tout, tleaves)
+            if len(cg) != len(tg):
+                raise AssertionError("different number of gradients")
+            for a, b in zip(cg, tg):
+                if (a is None) != (b is None):
+                    raise AssertionError("a gradient is missing on one side")
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, equal_nan=True)
+        v.grad = True
+    except Exception as e:
+        v.error = f"grad: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return v
+
+
+def _take(it: Iterable, n: int):
+    for i, x in enumerate(it):
+        if i >= n:
+            return
+        yield x
+
+
+def run(ops: list, verbose: bool = False, **kw) -> list[Verdict]:
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for op in ops:
+            try:
+                v = check(op, **kw)
+            except Exception:  # the harness itself must never stop the run
+                v = Verdict(op_key(op), error="harness: " + traceback.format_exc(limit=1).splitlines()[-1])
+            if verbose:
+                status = "skip" if v.skipped else f"fwd={int(v.forward)} grad={int(v.grad)} nofb={int(v.no_fallback)}"
+                print(f"{v.name:45s} {status} {v.error[:160]} {','.join(v.fallbacks)[:120]}", flush=True)
+            out.append(v)
+    return out
+
+
+def summary(verdicts: list[Verdict]) -> dict[str, Any]:
+    tested = [v for v in verdicts if not v.skipped]
+    n = max(len(tested), 1)
+    return {
+        "opinfos": len(verdicts),
+        "tested": len(tested),
+        "skipped": len(verdicts) - len(tested),
+        "forward": sum(v.forward for v in tested) / n,
+        "grad": sum(v.grad for v in tested) / n,
+        "no_fallback": sum(v.no_fallback for v in tested) / n,
+    }
