@@ -23,10 +23,12 @@ from torch_tpu import _device  # noqa: E402
 
 _device.register()
 
-from torch_tpu import _dispatch, _fallback, _kernels, ops  # noqa: E402,F401
+from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, ops  # noqa: E402,F401
 
 _dispatch.register_lowerings()
 _fallback.register()
+_host.install()
+_autocast.install()
 
 from torch_tpu._device import platform  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402

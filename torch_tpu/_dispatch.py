@@ -121,14 +121,18 @@ class _OpKernel:
 
     # -- building a program for one signature
     def _build(self, key: Any, args: tuple, kwargs: dict) -> tuple[Program, list]:
-        metas = meta_outputs(self.op, args, kwargs)
+        pos_spec, kw_spec = key
+        sig = ", ".join(_describe(s) for s in pos_spec)
+        try:
+            metas = meta_outputs(self.op, args, kwargs)
+        except Exception as e:  # CPU's error type, with the op and the input shapes named
+            raise _named(e, f"{self.name}({sig})") from e
         if self.kind == "inplace":
             self_meta = _meta(args[0])
             metas = [self_meta]
         avals = [(tuple(m.shape), m.dtype) for m in metas]
         jax_dtypes = [_dtypes.to_jax(d) for _, d in avals]
         fn = self.lowering.fn
-        pos_spec, kw_spec = key
         random = self.lowering.random
         name = self.name
         kw_names = [k for k, _ in kw_spec]
@@ -152,7 +156,6 @@ class _OpKernel:
                 outs.append(r)
             return tuple(outs)
 
-        sig = ", ".join(_describe(s) for s in pos_spec)
         return Program(f"{name}({sig})", program), avals
 
     # -- the kernel
@@ -194,6 +197,14 @@ class _OpKernel:
         return tensors if self.returns_list else tuple(tensors)
 
 
+def _named(e: Exception, where: str) -> Exception:
+    """The same exception type, its message prefixed with the op and signature."""
+    try:
+        return type(e)(f"{where}: {e}")
+    except Exception:
+        return e
+
+
 def _describe(s: Any) -> str:
     if type(s) is _Tensor:
         return f"{str(s[1]).removeprefix('torch.')}{list(s[0])}"
@@ -218,10 +229,7 @@ def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
 
 def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
     """Registers ``fn`` as the PrivateUse1 kernel of ``op``."""
-    name = op.name().split("::", 1)[1]
-    if op._overloadname != "default":
-        name = f"{name}.{op._overloadname}" if "." not in name else name
-    _lib.impl(name, fn, "PrivateUse1")
+    _lib.impl(op.name().split("::", 1)[1], fn, "PrivateUse1")  # "add.Tensor"
     REGISTERED[str(op)] = how
 
 

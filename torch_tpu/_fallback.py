@@ -91,8 +91,18 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return _from_cpu(out)
 
 
+def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    """CPU tensors other than 0-dim scalars cannot mix with tpu tensors, as on CUDA."""
+    from torch_tpu._dispatch import device_mismatch
+
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor) and a.device.type != "tpu" and a.dim() > 0:
+            raise device_mismatch(str(op), a.device)
+
+
 def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     """The catch-all PrivateUse1 kernel for every op without a registered one."""
+    _check_devices(op, args, kwargs)
     if op.is_view:
         metrics.op_counts[str(op)] += 1
         key = DK.Meta if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") else DK.CompositeExplicitAutograd

@@ -1,0 +1,20 @@
+"""Shared fixtures. CPU PyTorch is the reference for every numeric result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_tpu  # noqa: F401  (registers the device)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def assert_same(tpu_value: torch.Tensor, cpu_value: torch.Tensor, **kw) -> None:
+    """Values, shape and dtype of a tpu result equal the CPU reference."""
+    assert tpu_value.device.type == "tpu", tpu_value.device
+    torch.testing.assert_close(tpu_value.cpu(), cpu_value, **kw)

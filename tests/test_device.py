@@ -1,0 +1,103 @@
+"""The tpu device and the torch.tpu module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_tpu
+
+
+def test_plain_tensor_on_tpu():
+    t = torch.ones(2, 3, device="tpu")
+    assert type(t) is torch.Tensor
+    assert t.device == torch.device("tpu", 0)
+    assert t.is_contiguous()
+    assert torch.ones(2, device=torch.device("tpu")).device.type == "tpu"
+
+
+def test_platform_is_an_xla_platform():
+    assert torch_tpu.platform() in ("cpu", "gpu", "tpu")
+
+
+def test_torch_tpu_module():
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device(0)
+    with torch.tpu.device(0):
+        pass
+    torch.tpu.synchronize()
+    assert isinstance(torch.tpu.get_device_name(), str)
+    props = torch.tpu.get_device_properties(0)
+    assert props.platform == torch_tpu.platform() or torch_tpu.platform() == "gpu"
+
+
+def test_missing_device_index_raises():
+    n = torch.tpu.device_count()
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.empty(2, device=f"tpu:{n}")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.tpu.set_device(n + 3)
+
+
+def test_memory_stats_never_made_up():
+    try:
+        used = torch.tpu.memory_allocated()
+    except RuntimeError as e:
+        assert "reports no memory statistics" in str(e)
+    else:
+        assert used >= 0 and torch.tpu.max_memory_allocated() >= used
+
+
+def test_seeding_is_reproducible():
+    torch.tpu.manual_seed(123)
+    state = torch.tpu.get_rng_state()
+    assert torch.tpu.initial_seed() == 123
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(torch.tpu.get_rng_state(), state)
+    torch.manual_seed(7)  # torch.manual_seed seeds the device too
+    assert torch.tpu.initial_seed() == 7
+    s = torch.tpu.seed()
+    assert torch.tpu.initial_seed() == s
+    torch.tpu.manual_seed_all(3)
+    assert torch.tpu.initial_seed() == 3
+
+
+def test_host_round_trip_every_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
+                  torch.int32, torch.int64, torch.uint8, torch.bool):
+        c = (torch.arange(-3, 9) % 5).to(dtype).reshape(3, 4)
+        t = c.to("tpu")
+        assert t.dtype == dtype
+        assert torch.equal(t.cpu(), c)
+        assert t.tolist() == c.tolist()
+
+
+def test_int64_is_exact():
+    big = torch.tensor([2**53 + 1, -(2**62)], dtype=torch.int64)
+    t = big.to("tpu")
+    assert torch.equal((t + 1).cpu(), big + 1)
+    assert (t[0] + 0).item() == 2**53 + 1
+
+
+def test_item_and_numpy():
+    t = torch.tensor([2.5], device="tpu")
+    assert t.item() == 2.5
+    assert isinstance(torch.tensor(3, device="tpu").item(), int)
+    with pytest.raises(TypeError, match="can't convert tpu:0 device type tensor to numpy"):
+        t.numpy()
+    with pytest.raises(RuntimeError, match="cannot be converted to Scalar"):
+        torch.ones(2, device="tpu").item()
+
+
+def test_repr_copies_to_host_once():
+    t = torch.arange(6.0).reshape(2, 3).to("tpu")
+    torch_tpu.reset_metrics()
+    text = repr(t)
+    assert text == "tensor([[0., 1., 2.],\n        [3., 4., 5.]], device='tpu:0')"
+    ops = torch_tpu.metrics()["op_counts"]
+    assert sum(ops.values()) <= 3, ops  # one copy (and its view bookkeeping), no per-element ops
+    assert "device='tpu:0', dtype=torch.int32" in repr(t.int())
+    g = t.requires_grad_() * 2
+    assert "grad_fn=<MulBackward0>" in repr(g)

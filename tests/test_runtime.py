@@ -1,0 +1,81 @@
+"""Execution modes, metrics and the CPU fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu
+from torch_tpu import EagerMode
+
+_lib = torch.library.Library("tpu_test", "DEF")
+_lib.define("cpu_only(Tensor x) -> Tensor")
+_lib.impl("cpu_only", lambda x: x * 2 + 1, "CPU")
+
+
+def test_strict_is_default_and_modes_switch():
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+    with torch_tpu.set_eager_mode(EagerMode.DEBUG):
+        assert torch_tpu.get_eager_mode() is EagerMode.DEBUG
+        assert ((torch.ones(2, device="tpu") * 3).cpu() == 3).all()
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+    with torch_tpu.set_eager_mode("debug"):
+        assert torch_tpu.get_eager_mode() is EagerMode.DEBUG
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+
+
+def test_fused_mode_says_it_is_not_built():
+    with pytest.raises(NotImplementedError, match="FUSED"):
+        torch_tpu.set_eager_mode(EagerMode.FUSED)
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+
+
+def test_metrics_count_ops():
+    torch_tpu.reset_metrics()
+    x = torch.ones(4, device="tpu")
+    (x + x).neg()
+    m = torch_tpu.metrics()
+    assert m["op_counts"]["aten.add.Tensor"] == 1
+    assert m["op_counts"]["aten.neg.default"] == 1
+    assert "aten.add.Tensor" in torch_tpu.metrics_report()
+
+
+def test_cpu_fallback_is_counted_and_warned_once():
+    x = torch.tensor([0.0, 1.0, 2.0]).to("tpu")
+    torch_tpu.reset_metrics()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = torch.ops.tpu_test.cpu_only(x)
+        torch.ops.tpu_test.cpu_only(x)
+    assert y.device.type == "tpu"
+    assert torch.equal(y.cpu(), torch.tensor([1.0, 3.0, 5.0]))
+    assert torch_tpu.metrics()["fallback_counts"] == {"tpu_test.cpu_only.default": 2}
+    assert sum("tpu_test.cpu_only.default has no lowering" in str(x.message) for x in w) <= 1
+    assert "CPU fallbacks: 2" in torch_tpu.metrics_report()
+
+
+def test_strict_env_forbids_fallback(monkeypatch):
+    monkeypatch.setenv("TORCH_TPU_STRICT", "1")
+    with pytest.raises(NotImplementedError, match="tpu_test.cpu_only.default has no lowering"):
+        torch.ops.tpu_test.cpu_only(torch.ones(2, device="tpu"))
+
+
+def test_debug_mode_surfaces_errors_at_the_op():
+    with torch_tpu.set_eager_mode(EagerMode.DEBUG):
+        with pytest.raises(RuntimeError):
+            torch.ones(2, device="tpu") + torch.ones(3, device="tpu")
+
+
+def test_env_selects_mode(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import torch_tpu; print(torch_tpu.get_eager_mode().value)"
+    for env, want in ({"TORCH_TPU_EAGER_MODE": "debug"}, "debug"), ({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, "debug"):
+        import os
+
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "TORCH_TPU_PLATFORM": "cpu"},
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want

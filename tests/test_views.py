@@ -1,0 +1,97 @@
+"""Views alias exactly, and in-place writes through views update the base, as on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import assert_same
+
+
+def pair(*shape):
+    c = torch.randn(*shape)
+    return c, c.clone().to("tpu")
+
+
+def test_views_read_like_cpu():
+    c, t = pair(4, 5, 6)
+    cases = [
+        lambda x: x[1:3],
+        lambda x: x[:, ::2],
+        lambda x: x.transpose(0, 2),
+        lambda x: x.permute(2, 0, 1)[1:, :, 2],
+        lambda x: x.view(20, 6)[3:7],
+        lambda x: x[1].t()[2:],
+        lambda x: x.unflatten(2, (2, 3)),
+        lambda x: x[:, :1, :].expand(4, 3, 6),
+        lambda x: x[0].diagonal(),
+        lambda x: x.diagonal(offset=1, dim1=1, dim2=2),
+        lambda x: x.as_strided((3, 3), (7, 2), 5),
+        lambda x: x.unfold(2, 3, 2),
+        lambda x: x.narrow(1, 1, 3).select(2, 4),
+        lambda x: x.reshape(-1)[::7],
+    ]
+    for f in cases:
+        assert_same(f(t), f(c))
+
+
+def test_views_share_storage():
+    t = torch.zeros(3, 4, device="tpu")
+    v = t[1]
+    assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert v._base is t
+
+
+def test_inplace_on_views_updates_base():
+    c, t = pair(4, 6)
+    for x in (c, t):
+        x.t()[1:3, 2].add_(5)
+        x[:, 1].mul_(2)
+        v = x.view(2, 12)
+        v[1, ::3] = 7.0
+        x.diagonal().zero_()
+        x[2:].transpose(0, 1)[0] = torch.tensor([1.0, 2.0]).to(x.device)
+    assert_same(t, c)
+
+
+def test_view_of_view_write():
+    c, t = pair(3, 8)
+    for x in (c, t):
+        a = x[:, 2:]
+        b = a.view(3, 3, 2)[:, 1]
+        b.fill_(-1)
+    assert_same(t, c)
+
+
+def test_slicing_assignment_forms():
+    c, t = pair(5, 5)
+    for x in (c, t):
+        x[0] = 1.0
+        x[1, 1:4] = torch.arange(3.0).to(x.device)
+        x[..., -1] = x[..., 0]
+        x[2:4, 2:4] += 10
+    assert_same(t, c)
+
+
+def test_inplace_ops_keep_identity_and_version():
+    t = torch.ones(3, device="tpu")
+    before = t._version
+    same = t.add_(1)
+    assert same is t and t._version > before
+    assert_same(t, torch.full((3,), 2.0))
+
+
+def test_type_promotion():
+    a = torch.tensor([1, 2, 3], dtype=torch.int32)
+    b = torch.tensor([0.5, 1.5, 2.5], dtype=torch.float16)
+    assert_same(a.to("tpu") + b.to("tpu"), a + b)
+    assert_same(a.to("tpu") * 2.5, a * 2.5)
+    assert_same(a.to("tpu") / 2, a / 2)
+    assert_same(b.to("tpu") + torch.tensor(1.0, dtype=torch.float64), b + torch.tensor(1.0, dtype=torch.float64))
+    x = torch.tensor([1.0, 2.0]).to(torch.bfloat16)
+    assert_same(x.to("tpu") * 3, x * 3)
+
+
+def test_cpu_scalar_tensor_mixes_like_cuda():
+    c = torch.randn(3)
+    s = torch.tensor(2.0)
+    assert_same(c.to("tpu") * s, c * s)

@@ -1,0 +1,100 @@
+"""How a tpu tensor reaches the host: repr, pickling, ``torch.save``/``torch.load`` and deepcopy.
+
+PyTorch's Python code special-cases devices by name in these places (``xla``, ``lazy``...), and
+otherwise assumes a storage whose bytes it can read. A tpu storage holds a jax array, not bytes,
+so the tpu device takes the lazy devices' branch: one copy to the host, then the CPU code path.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_tpu._kernels import storage_from_bytes
+
+_installed = False
+
+
+def _is_tpu(t: torch.Tensor) -> bool:
+    return type(t) is not None and isinstance(t, torch.Tensor) and t.device.type == "tpu"
+
+
+def _install_repr() -> None:
+    from torch import _tensor_str
+
+    original = _tensor_str._str
+
+    def _str(self: torch.Tensor, *, tensor_contents: str | None = None) -> str:
+        if tensor_contents is None and _is_tpu(self) and self.numel() > 0 and self.layout == torch.strided:
+            host = self.detach().to("cpu")  # one transfer; formatting then runs on CPU
+            with torch.no_grad():
+                tensor_contents = _tensor_str._tensor_str(host, len("tensor("))
+        return original(self, tensor_contents=tensor_contents)
+
+    _tensor_str._str = _str
+
+
+def _install_pickling() -> None:
+    original = torch.Tensor._reduce_ex_internal
+
+    def _reduce_ex_internal(self: torch.Tensor, proto: int) -> Any:
+        if _is_tpu(self):
+            if torch.serialization._serialization_tls.skip_data:
+                raise RuntimeError("Cannot serialize tpu tensors under the skip_data context manager")
+            return (
+                torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.detach().to("cpu"), self.dtype, str(self.device), self.requires_grad),
+            )
+        return original(self, proto)
+
+    torch.Tensor._reduce_ex_internal = _reduce_ex_internal
+
+    def tag(obj: Any) -> str | None:
+        return None  # tpu storages are never pickled: their tensors go through the CPU above
+
+    def restore(obj: Any, location: str) -> Any:
+        """``map_location="tpu"`` for data saved from another device: bytes to a tpu storage."""
+        if not location.startswith("tpu"):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):
+            obj = obj._untyped_storage
+        if obj.device.type != "cpu":
+            obj = obj.cpu()
+        data = np.frombuffer(bytes(obj), dtype=np.uint8) if obj.nbytes() else np.zeros(0, np.uint8)
+        return storage_from_bytes(data)
+
+    torch.serialization.register_package(5, tag, restore)
+
+
+def _install_deepcopy() -> None:
+    original = torch.Tensor.__deepcopy__
+
+    def __deepcopy__(self: torch.Tensor, memo: dict) -> torch.Tensor:
+        if not _is_tpu(self) or type(self) is not torch.Tensor:
+            return original(self, memo)
+        if not self.is_leaf:
+            return original(self, memo)  # raises torch's own error
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        new.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = new
+        return new
+
+    torch.Tensor.__deepcopy__ = __deepcopy__
+
+
+def install() -> None:
+    global _installed
+    if not _installed:
+        _install_repr()
+        _install_pickling()
+        _install_deepcopy()
+        _installed = True
