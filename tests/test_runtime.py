@@ -57,9 +57,10 @@ def test_cpu_fallback_is_counted_and_warned_once():
 
 
 def test_strict_env_forbids_fallback(monkeypatch):
+    x = torch.ones(2).to("tpu")
     monkeypatch.setenv("TORCH_TPU_STRICT", "1")
     with pytest.raises(NotImplementedError, match="tpu_test.cpu_only.default has no lowering"):
-        torch.ops.tpu_test.cpu_only(torch.ones(2, device="tpu"))
+        torch.ops.tpu_test.cpu_only(x)
 
 
 def test_debug_mode_surfaces_errors_at_the_op():
