@@ -1,70 +1,874 @@
-"""Pointwise ops: arithmetic, comparisons, unary math and activations.
+"""Pointwise ops: arithmetic, comparisons, bitwise ops, unary math and activations.
 
 Results are cast by the dispatcher to the dtype torch's type promotion chose, so a lowering may
-compute in a wider type.
+compute in a wider type. Two rules keep values equal to CPU's:
+
+* binary ops first bring their operands to torch's common dtype (:func:`_common`), which is not
+  jax's: a 0-dim tensor or a Python number does not widen a dimensioned tensor of its category;
+* bfloat16/float16 math runs in float32 and is rounded once at the end, as CPU's ``opmath`` does.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import jax.scipy.special as jsp
+import numpy as np
 from jax import lax
 
 from torch_tpu.ops._registry import aten, lower
 
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F32 = np.dtype(jnp.float32)
 
+
+# ------------------------------------------------------------------------------------ promotion
+def _category(dt: np.dtype) -> int:
+    if dt == np.bool_:
+        return 0
+    if jnp.issubdtype(dt, jnp.integer):
+        return 1
+    if jnp.issubdtype(dt, jnp.floating):
+        return 2
+    return 3
+
+
+def _kind(x) -> str:
+    """'wrapped' for Python numbers (weakly typed in jax), 'zero' for 0-dim arrays, else 'dim'."""
+    if isinstance(x, (bool, int, float, complex)):
+        return "wrapped"
+    if getattr(getattr(x, "aval", x), "weak_type", False):
+        return "wrapped"
+    return "zero" if jnp.ndim(x) == 0 else "dim"
+
+
+def _promote(dts: list) -> np.dtype | None:
+    out = None
+    for d in dts:
+        out = d if out is None else np.dtype(jnp.promote_types(out, d))
+    return out
+
+
+def _combine(higher, lower_):
+    """torch's ``combine_categories``: a lower-priority group only matters if its category is higher."""
+    if higher is None:
+        return lower_
+    if lower_ is None:
+        return higher
+    ch, cl = _category(higher), _category(lower_)
+    if ch == 3:
+        return higher
+    if cl == 3:
+        return np.dtype(jnp.complex128) if higher == np.float64 else (
+            np.dtype(jnp.complex64) if ch == 2 else lower_)
+    if ch == 2:
+        return higher
+    if ch == 0 or cl == 2:
+        return np.dtype(jnp.promote_types(higher, lower_))
+    return higher
+
+
+def result_dtype(*xs) -> np.dtype:
+    """The dtype torch's type promotion gives to an op over ``xs`` (None entries ignored)."""
+    groups: dict[str, list] = {"dim": [], "zero": [], "wrapped": []}
+    for x in xs:
+        if x is None:
+            continue
+        k = _kind(x)
+        dt = np.dtype(jnp.result_type(x))
+        if k == "wrapped":  # a Python number counts by category, at torch's default precision
+            dt = [np.dtype(np.bool_), np.dtype(np.int64), _F32, np.dtype(jnp.complex64)][_category(dt)]
+        groups[k].append(dt)
+    wrapped = _promote(groups["wrapped"])
+    return _combine(_promote(groups["dim"]), _combine(_promote(groups["zero"]), wrapped))
+
+
+def _opmath(dt: np.dtype) -> np.dtype:
+    return _F32 if dt in _LOW else dt
+
+
+def _common(*xs, floating: bool = False):
+    """``xs`` cast to torch's common dtype (float32 for low precision, or when ``floating``
+    and the common dtype is integral)."""
+    dt = _opmath(result_dtype(*xs))
+    if floating and _category(dt) < 2:
+        dt = _F32
+    return tuple(None if x is None else jnp.asarray(x, dt) for x in xs)
+
+
+def _fl(x):
+    """A unary float op's input: integers and bools become float32, low precision float32."""
+    dt = np.dtype(jnp.result_type(x))
+    if _category(dt) < 2 or dt in _LOW:
+        return jnp.asarray(x, _F32)
+    return x
+
+
+def _is_int(x) -> bool:
+    return _category(np.dtype(jnp.result_type(x))) < 2
+
+
+# ----------------------------------------------------------------------------------- arithmetic
 def _scaled(b, alpha):
     return b if alpha is None else b * alpha
 
 
 @lower(aten.add.Tensor, aten.add.Scalar)
 def add(self, other, alpha=None):
-    return jnp.add(self, _scaled(other, alpha))
+    a, b, al = _common(self, other, alpha)
+    if al is not None and al.dtype == np.bool_:
+        return jnp.logical_or(a, jnp.logical_and(b, al))
+    return a + b if alpha is None else a + b * al
 
 
 @lower(aten.sub.Tensor, aten.sub.Scalar)
 def sub(self, other, alpha=None):
-    return jnp.subtract(self, _scaled(other, alpha))
+    a, b, al = _common(self, other, alpha)
+    return a - _scaled(b, al)
 
 
 @lower(aten.rsub.Tensor, aten.rsub.Scalar)
 def rsub(self, other, alpha=None):
-    return jnp.subtract(other, _scaled(self, alpha))
+    a, b, al = _common(self, other, alpha)
+    return b - _scaled(a, al)
 
 
 @lower(aten.mul.Tensor, aten.mul.Scalar)
 def mul(self, other):
-    return jnp.multiply(self, other)
+    a, b = _common(self, other)
+    if a.dtype == np.bool_:
+        return jnp.logical_and(a, b)
+    return a * b
+
+
+def _floor_div(a, b):
+    """torch's floor division: Python semantics for integers; for floats the fmod-based form that
+    returns exactly what CPU returns (a/b when b is 0)."""
+    if _is_int(a):
+        return jnp.floor_divide(a, b)
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    fl = jnp.floor(div)
+    fl = jnp.where(div - fl > 0.5, fl + 1, fl)
+    fl = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), fl)
+    return jnp.where(b == 0, a / b, fl)
 
 
 @lower(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode)
 def div(self, other, rounding_mode=None):
     if rounding_mode is None:
-        return jnp.true_divide(self, other)
+        a, b = _common(self, other, floating=True)
+        return a / b
+    a, b = _common(self, other)
     if rounding_mode == "floor":
-        return jnp.floor_divide(self, other)
-    a, b = jnp.broadcast_arrays(jnp.asarray(self), jnp.asarray(other))
-    dt = jnp.result_type(self, other)
-    if jnp.issubdtype(dt, jnp.integer):
-        return lax.div(a.astype(dt), b.astype(dt))  # C division truncates, as torch's 'trunc'
-    return jnp.trunc(jnp.true_divide(a, b))
+        return _floor_div(a, b)
+    if _is_int(a):
+        return lax.div(a, b)  # C division truncates, as torch's 'trunc'
+    return jnp.trunc(a / b)
 
 
-@lower(aten.neg)
+@lower(aten.floor_divide.default, aten.floor_divide.Scalar)
+def floor_divide(self, other):
+    a, b = _common(self, other)
+    return _floor_div(a, b)
+
+
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder(self, other):
+    a, b = _common(self, other)
+    if _is_int(a):
+        return jnp.remainder(a, b)
+    mod = jnp.fmod(a, b)
+    return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
+
+
+@lower(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod(self, other):
+    a, b = _common(self, other)
+    return jnp.fmod(a, b)
+
+
+@lower(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def pow_(self, exponent):
+    a, b = _common(self, exponent)
+    if a.dtype == np.bool_:
+        return jnp.logical_or(a, jnp.logical_not(b))
+    return jnp.power(a, b)
+
+
+def _check_pow(self, exponent):
+    if not self.dtype.is_floating_point and not self.dtype.is_complex and type(exponent) is int and exponent < 0:
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
+@lower(aten.pow.Tensor_Scalar, static_scalars=True, check=_check_pow)
+def pow_tensor_scalar(self, exponent):
+    """An integer exponent is a compile-time constant: x**2 is x*x, as on CPU."""
+    if isinstance(exponent, (bool, int)):
+        dt = _opmath(result_dtype(self, exponent))
+        x = jnp.asarray(self, dt)
+        if dt == np.bool_:
+            return x if exponent else jnp.ones_like(x)
+        if exponent >= 0:
+            return lax.integer_pow(x, exponent)
+        if _category(dt) < 2:
+            one = jnp.ones_like(x)
+            return jnp.where(jnp.abs(x) == 1, jnp.where((exponent % 2 == 1) & (x < 0), -one, one), 0)
+        return 1 / lax.integer_pow(x, -exponent)
+    a, b = _common(self, exponent)
+    b_is_two = b == 2
+    return jnp.where(b_is_two, a * a, jnp.power(a, b))
+
+
+def _binary_float(fn):
+    def lowering(self, other):
+        a, b = _common(self, other, floating=True)
+        return fn(a, b)
+
+    lowering.__doc__ = f"{fn.__name__} over torch's common floating dtype."
+    return lowering
+
+
+lower(aten.atan2.default)(_binary_float(jnp.arctan2))
+lower(aten.hypot.default)(_binary_float(jnp.hypot))
+lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
+lower(aten.logaddexp.default)(_binary_float(jnp.logaddexp))
+lower(aten.logaddexp2.default)(_binary_float(jnp.logaddexp2))
+lower(aten.igamma.default)(_binary_float(jsp.gammainc))
+lower(aten.igammac.default)(_binary_float(jsp.gammaincc))
+
+
+@lower(aten.nextafter.default)
+def nextafter(self, other):
+    a, b = _common(self, other)
+    return jnp.nextafter(a, b)
+
+
+@lower(aten.xlogy.Tensor, aten.xlogy.Scalar_Other, aten.xlogy.Scalar_Self)
+def xlogy(self, other):
+    x, y = _common(self, other, floating=True)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log(y)))
+
+
+@lower(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar, aten.special_xlog1py.self_scalar)
+def xlog1py(self, other):
+    x, y = _common(self, other, floating=True)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log1p(y)))
+
+
+@lower(aten.maximum.default)
+def maximum(self, other):
+    a, b = _common(self, other)
+    return jnp.maximum(a, b)
+
+
+@lower(aten.minimum.default)
+def minimum(self, other):
+    a, b = _common(self, other)
+    return jnp.minimum(a, b)
+
+
+@lower(aten.fmax.default)
+def fmax(self, other):
+    a, b = _common(self, other)
+    return jnp.fmax(a, b)
+
+
+@lower(aten.fmin.default)
+def fmin(self, other):
+    a, b = _common(self, other)
+    return jnp.fmin(a, b)
+
+
+def _clamp(x, lo, hi):
+    """min(max(x, lo), hi) with NaN propagated, as CPU's clamp (lo > hi gives hi)."""
+    if lo is not None:
+        x = jnp.maximum(x, lo)
+    if hi is not None:
+        x = jnp.minimum(x, hi)
+    return x
+
+
+@lower(aten.clamp.default, aten.clamp.Tensor)
+def clamp(self, min=None, max=None):  # noqa: A002
+    x, lo, hi = _common(self, min, max)
+    return _clamp(x, lo, hi)
+
+
+@lower(aten.clamp_min.default, aten.clamp_min.Tensor)
+def clamp_min(self, min):  # noqa: A002
+    x, lo = _common(self, min)
+    return _clamp(x, lo, None)
+
+
+@lower(aten.clamp_max.default, aten.clamp_max.Tensor)
+def clamp_max(self, max):  # noqa: A002
+    x, hi = _common(self, max)
+    return _clamp(x, None, hi)
+
+
+@lower(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp(self, end, weight):
+    """CPU's two-sided formula, exact at both ends."""
+    a, b, w = _common(self, end, weight)
+    diff = b - a
+    return jnp.where(jnp.abs(w) < 0.5, a + w * diff, b - diff * (1 - w))
+
+
+@lower(aten.addcmul.default)
+def addcmul(self, tensor1, tensor2, value=1):
+    a, t1, t2, v = _common(self, tensor1, tensor2, value)
+    return a + v * t1 * t2
+
+
+@lower(aten.addcdiv.default)
+def addcdiv(self, tensor1, tensor2, value=1):
+    a, t1, t2, v = _common(self, tensor1, tensor2, value)
+    return a + v * (t1 / t2)
+
+
+@lower(aten.where.self)
+def where(condition, self, other):
+    a, b = _common(self, other)
+    return jnp.where(condition.astype(bool), a, b)
+
+
+@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(self, mask, value):
+    return jnp.where(mask.astype(bool), jnp.asarray(value).astype(self.dtype), self)
+
+
+@lower(aten.heaviside.default)
+def heaviside(self, values):
+    a, v = _common(self, values)
+    return jnp.where(a == 0, v, (a > 0).astype(a.dtype))
+
+
+# ---------------------------------------------------------------------------------- comparisons
+def _compare(fn):
+    def lowering(self, other):
+        a, b = _common(self, other)
+        return fn(a, b)
+
+    lowering.__doc__ = f"{fn.__name__} in torch's common dtype (a float16 tensor against a float32 0-dim one "
+    "compares in float16)."
+    return lowering
+
+
+for _name, _fn in (("eq", jnp.equal), ("ne", jnp.not_equal), ("lt", jnp.less), ("le", jnp.less_equal),
+                   ("gt", jnp.greater), ("ge", jnp.greater_equal)):
+    lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar)(_compare(_fn))
+
+
+def _truth(x):
+    return x if x.dtype == np.bool_ else x != 0
+
+
+@lower(aten.logical_and.default)
+def logical_and(self, other):
+    return _truth(self) & _truth(other)
+
+
+@lower(aten.logical_or.default)
+def logical_or(self, other):
+    return _truth(self) | _truth(other)
+
+
+@lower(aten.logical_xor.default)
+def logical_xor(self, other):
+    return _truth(self) ^ _truth(other)
+
+
+@lower(aten.logical_not.default)
+def logical_not(self):
+    return ~_truth(self)
+
+
+for _name, _fn in (("bitwise_and", jnp.bitwise_and), ("bitwise_or", jnp.bitwise_or),
+                   ("bitwise_xor", jnp.bitwise_xor)):
+    lower(getattr(aten, _name))(_compare(_fn))
+
+
+@lower(aten.bitwise_not.default)
+def bitwise_not(self):
+    return jnp.logical_not(self) if self.dtype == np.bool_ else jnp.invert(self)
+
+
+def _shift_out_of_range(a, b):
+    """CPU shifts by a negative amount, or one at or past the bit width, give 0 (left, or right on
+    unsigned) or the sign fill (right on signed)."""
+    bits = a.dtype.itemsize * 8
+    return (b < 0) | (b >= bits), bits
+
+
+@lower(aten.bitwise_left_shift, aten.__lshift__.Tensor, aten.__lshift__.Scalar)
+def left_shift(self, other):
+    a, b = _common(self, other)
+    out, _ = _shift_out_of_range(a, b)
+    return jnp.where(out, jnp.zeros_like(a), jnp.left_shift(a, jnp.where(out, 0, b)))
+
+
+@lower(aten.bitwise_right_shift, aten.__rshift__.Tensor, aten.__rshift__.Scalar)
+def right_shift(self, other):
+    a, b = _common(self, other)
+    out, bits = _shift_out_of_range(a, b)
+    if jnp.issubdtype(a.dtype, jnp.unsignedinteger):
+        return jnp.where(out, jnp.zeros_like(a), jnp.right_shift(a, jnp.where(out, 0, b)))
+    return jnp.right_shift(a, jnp.where(out, bits - 1, b))
+
+
+# ----------------------------------------------------------------------------------- unary math
+def _unary_float(fn, doc: str = ""):
+    def lowering(self):
+        return fn(_fl(self))
+
+    lowering.__doc__ = doc or f"{getattr(fn, '__name__', 'op')} in float32 for integer and low-precision inputs."
+    return lowering
+
+
+for _op, _fn in (
+    (aten.exp, jnp.exp), (aten.exp2, jnp.exp2), (aten.expm1, jnp.expm1), (aten.log, jnp.log),
+    (aten.log2, jnp.log2), (aten.log10, jnp.log10), (aten.log1p, jnp.log1p), (aten.sqrt, jnp.sqrt),
+    (aten.rsqrt, lax.rsqrt), (aten.sin, jnp.sin), (aten.cos, jnp.cos), (aten.tan, jnp.tan),
+    (aten.asin, jnp.arcsin), (aten.acos, jnp.arccos), (aten.atan, jnp.arctan), (aten.sinh, jnp.sinh),
+    (aten.cosh, jnp.cosh), (aten.tanh, jnp.tanh), (aten.asinh, jnp.arcsinh), (aten.acosh, jnp.arccosh),
+    (aten.atanh, jnp.arctanh), (aten.erf, lax.erf), (aten.erfc, lax.erfc), (aten.erfinv, lax.erf_inv),
+    (aten.lgamma, lax.lgamma), (aten.i0, jsp.i0), (aten.special_i0e, jsp.i0e), (aten.special_i1, jsp.i1),
+    (aten.special_i1e, jsp.i1e), (aten.special_ndtri, jsp.ndtri), (aten.special_log_ndtr, jsp.log_ndtr),
+    (aten.special_erfcx, jsp.erfcx), (aten.special_entr, jsp.entr),
+    (aten.special_modified_bessel_i0, jsp.i0), (aten.special_modified_bessel_i1, jsp.i1),
+    (aten.sigmoid, jax.nn.sigmoid),
+):
+    lower(_op)(_unary_float(_fn))
+
+
+@lower(aten.reciprocal.default)
+def reciprocal(self):
+    x = _fl(self)
+    return 1 / x
+
+
+@lower(aten.neg.default)
 def neg(self):
     return jnp.negative(self)
 
 
-@lower(aten.exp)
-def exp(self):
-    return jnp.exp(self)
+@lower(aten.abs.default)
+def abs_(self):
+    return self if self.dtype == np.bool_ else jnp.abs(self)
 
 
-@lower(aten.sqrt)
-def sqrt(self):
-    return jnp.sqrt(self)
+@lower(aten.sign.default)
+def sign(self):
+    """(0 < x) - (x < 0): NaN gives 0, as on CPU."""
+    if self.dtype == np.bool_:
+        return self
+    return (self > 0).astype(self.dtype) - (self < 0).astype(self.dtype)
 
 
-@lower(aten.relu)
+@lower(aten.sgn.default)
+def sgn(self):
+    if jnp.iscomplexobj(self):
+        mag = jnp.abs(self)
+        return jnp.where(mag == 0, jnp.zeros_like(self), self / mag)
+    return sign(self)
+
+
+@lower(aten.angle.default)
+def angle(self):
+    if jnp.iscomplexobj(self):
+        return jnp.angle(self)
+    x = _fl(self)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0.0).astype(x.dtype))
+
+
+def _digamma(x):
+    """jax gives NaN at 0; torch gives -inf at +0 and +inf at -0."""
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x).astype(x.dtype), jsp.digamma(x))
+
+
+@lower(aten.digamma.default)
+def digamma(self):
+    return _digamma(_fl(self))
+
+
+@lower(aten.polygamma.default)
+def polygamma(n, self):
+    x = _fl(self)
+    if n == 0:
+        return _digamma(x)
+    return jsp.polygamma(n, x)
+
+
+@lower(aten.mvlgamma.default)
+def mvlgamma(self, p):
+    x = _fl(self)
+    j = jnp.arange(p, dtype=x.dtype)
+    terms = lax.lgamma(x[..., None] - j / 2)
+    return jnp.sum(terms, axis=-1) + (p * (p - 1) / 4) * math.log(math.pi)
+
+
+@lower(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)
+def zeta(self, other):
+    x, q = _common(self, other, floating=True)
+    return jsp.zeta(x, q)
+
+
+@lower(aten.special_spherical_bessel_j0.default)
+def spherical_bessel_j0(x):
+    x = _fl(x)
+    safe = jnp.where(x == 0, 1, x)
+    return jnp.where(jnp.isinf(x), 0.0, jnp.where(x == 0, 1.0, jnp.sin(safe) / safe)).astype(x.dtype)
+
+
+@lower(aten.logit.default)
+def logit(self, eps=None):
+    x = _fl(self)
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+def _integral_identity(fn):
+    def lowering(self):
+        return self if _is_int(self) else fn(self)
+
+    lowering.__doc__ = f"{fn.__name__}; integers are returned unchanged."
+    return lowering
+
+
+lower(aten.floor.default)(_integral_identity(jnp.floor))
+lower(aten.ceil.default)(_integral_identity(jnp.ceil))
+lower(aten.trunc.default)(_integral_identity(jnp.trunc))
+lower(aten.round.default)(_integral_identity(jnp.round))  # round half to even, as nearbyint
+
+
+@lower(aten.round.decimals)
+def round_decimals(self, decimals):
+    """CPU's formula: scale by 10**|decimals|, round half to even, scale back."""
+    x = _fl(self)
+    scale = float(10.0 ** abs(decimals))
+    if decimals < 0:
+        return jnp.round(x / scale) * scale
+    return jnp.round(x * scale) / scale
+
+
+@lower(aten.frac.default)
+def frac(self):
+    return self - jnp.trunc(self)
+
+
+@lower(aten.frexp.Tensor)
+def frexp(self):
+    m, e = jnp.frexp(self)
+    return m, e.astype(jnp.int32)
+
+
+@lower(aten.nan_to_num.default)
+def nan_to_num(self, nan=None, posinf=None, neginf=None):
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        return self
+    info = jnp.finfo(self.dtype)
+    x = jnp.where(jnp.isnan(self), jnp.asarray(0.0 if nan is None else nan).astype(self.dtype), self)
+    x = jnp.where(x == jnp.inf, jnp.asarray(info.max if posinf is None else posinf).astype(self.dtype), x)
+    return jnp.where(x == -jnp.inf, jnp.asarray(info.min if neginf is None else neginf).astype(self.dtype), x)
+
+
+@lower(aten.isnan.default)
+def isnan(self):
+    return jnp.isnan(self)
+
+
+@lower(aten.isinf.default)
+def isinf(self):
+    return jnp.isinf(self)
+
+
+@lower(aten.isposinf.default)
+def isposinf(self):
+    return jnp.isposinf(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lower(aten.isneginf.default)
+def isneginf(self):
+    return jnp.isneginf(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lower(aten.signbit.default)
+def signbit(self):
+    if self.dtype == np.bool_:
+        return jnp.zeros(self.shape, bool)
+    return jnp.signbit(self) if not _is_int(self) else self < 0
+
+
+@lower(aten.deg2rad.default)
+def deg2rad(self):
+    x = _fl(self)
+    return x * jnp.asarray(math.pi / 180, x.dtype)
+
+
+@lower(aten.rad2deg.default)
+def rad2deg(self):
+    x = _fl(self)
+    return x * jnp.asarray(180 / math.pi, x.dtype)
+
+
+@lower(aten.sinc.default)
+def sinc(self):
+    x = _fl(self)
+    px = x * jnp.asarray(math.pi, x.dtype)
+    safe = jnp.where(x == 0, 1, px)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
+
+
+@lower(aten.fill.Scalar, aten.fill.Tensor)
+def fill(self, value):
+    return jnp.broadcast_to(jnp.asarray(value).astype(self.dtype), self.shape)
+
+
+@lower(aten.zero.default)
+def zero(self):
+    return jnp.zeros_like(self)
+
+
+@lower(aten.clone.default)
+def clone(self, memory_format=None):
+    """jax arrays are immutable, so a copy is the same array; a later write replaces it."""
+    return self
+
+
+# ---------------------------------------------------------------------------------- activations
+@lower(aten.relu.default)
 def relu(self):
-    return jax.nn.relu(self)
+    return jnp.maximum(self, jnp.zeros_like(self))
+
+
+_SQRT1_2 = 1 / math.sqrt(2)
+_GELU_BETA = math.sqrt(2 / math.pi)
+_GELU_KAPPA = 0.044715
+
+
+@lower(aten.gelu.default)
+def gelu(self, approximate="none"):
+    """Through erf, not erfc: measured faster on TPU."""
+    x = _fl(self)
+    if approximate == "tanh":
+        return 0.5 * x * (1 + jnp.tanh(_GELU_BETA * (x + _GELU_KAPPA * x * x * x)))
+    return x * 0.5 * (1 + lax.erf(x * _SQRT1_2))
+
+
+@lower(aten.gelu_backward.default)
+def gelu_backward(grad_output, self, approximate="none"):
+    g, x = _common(grad_output, self)
+    if approximate == "tanh":
+        x_sq = x * x
+        inner = _GELU_BETA * (x + _GELU_KAPPA * x_sq * x)
+        t = jnp.tanh(inner)
+        left = 0.5 * x
+        right = 1 + t
+        d_inner = _GELU_BETA * (1 + 3 * _GELU_KAPPA * x_sq)
+        return g * (0.5 * right + left * (1 - t * t) * d_inner)
+    cdf = 0.5 * (1 + lax.erf(x * _SQRT1_2))
+    pdf = jnp.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return g * (cdf + x * pdf)
+
+
+@lower(aten.silu.default)
+def silu(self):
+    x = _fl(self)
+    return x / (1 + jnp.exp(-x))
+
+
+@lower(aten.mish.default)
+def mish(self):
+    x = _fl(self)
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+@lower(aten.elu.default)
+def elu(self, alpha=1, scale=1, input_scale=1):
+    x = _fl(self)
+    return jnp.where(x > 0, x * scale, jnp.expm1(x * input_scale) * (alpha * scale))
+
+
+@lower(aten.elu_backward.default)
+def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    g, x = _common(grad_output, self_or_result)
+    negcoef = alpha * scale
+    if is_result:
+        neg = g * input_scale * (x + negcoef)
+    else:
+        neg = g * input_scale * negcoef * jnp.exp(x * input_scale)
+    return jnp.where(x <= 0, neg, g * scale)
+
+
+@lower(aten.celu.default)
+def celu(self, alpha=1.0):
+    x = _fl(self)
+    return jnp.where(x > 0, x, jnp.expm1(x / alpha) * alpha)
+
+
+@lower(aten.leaky_relu.default)
+def leaky_relu(self, negative_slope=0.01):
+    x = _fl(self)
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@lower(aten.leaky_relu_backward.default)
+def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
+    g, x = _common(grad_output, self)
+    return jnp.where(x > 0, g, g * negative_slope)
+
+
+@lower(aten.hardtanh.default)
+def hardtanh(self, min_val=-1, max_val=1):
+    x, lo, hi = _common(self, min_val, max_val)
+    return _clamp(x, lo, hi)
+
+
+@lower(aten.hardtanh_backward.default)
+def hardtanh_backward(grad_output, self, min_val, max_val):
+    g, x = _common(grad_output, self)
+    return jnp.where((x <= min_val) | (x >= max_val), jnp.zeros_like(g), g)
+
+
+@lower(aten.hardsigmoid.default)
+def hardsigmoid(self):
+    x = _fl(self)
+    return jnp.clip(x + 3, 0, 6) / 6
+
+
+@lower(aten.hardsigmoid_backward.default)
+def hardsigmoid_backward(grad_output, self):
+    g, x = _common(grad_output, self)
+    return jnp.where((x > -3) & (x < 3), g / 6, jnp.zeros_like(g))
+
+
+@lower(aten.hardswish.default)
+def hardswish(self):
+    x = _fl(self)
+    return x * jnp.clip(x + 3, 0, 6) / 6
+
+
+@lower(aten.hardswish_backward.default)
+def hardswish_backward(grad_output, self):
+    g, x = _common(grad_output, self)
+    return jnp.where(x < -3, jnp.zeros_like(g), jnp.where(x <= 3, g * (x / 3 + 0.5), g))
+
+
+@lower(aten.softplus.default)
+def softplus(self, beta=1, threshold=20):
+    x = _fl(self)
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@lower(aten.softplus_backward.default)
+def softplus_backward(grad_output, self, beta, threshold):
+    g, x = _common(grad_output, self)
+    z = jnp.exp(x * beta)
+    return jnp.where(x * beta > threshold, g, g * z / (z + 1))
+
+
+@lower(aten.threshold.default)
+def threshold(self, threshold, value):
+    x, t, v = _common(self, threshold, value)
+    return jnp.where(x <= t, v, x)
+
+
+@lower(aten.threshold_backward.default)
+def threshold_backward(grad_output, self, threshold):
+    g, x = _common(grad_output, self)
+    return jnp.where(x <= threshold, jnp.zeros_like(g), g)
+
+
+@lower(aten.sigmoid_backward.default)
+def sigmoid_backward(grad_output, output):
+    g, y = _common(grad_output, output)
+    return g * (1 - y) * y
+
+
+@lower(aten.tanh_backward.default)
+def tanh_backward(grad_output, output):
+    g, y = _common(grad_output, output)
+    return g * (1 - y * y)
+
+
+@lower(aten.logit_backward.default)
+def logit_backward(grad_output, self, eps=None):
+    g, x = _common(grad_output, self)
+    d = g / (x * (1 - x))
+    if eps is None:
+        return jnp.where((x < 0) | (x > 1), jnp.nan, d)
+    return jnp.where((x < eps) | (x > 1 - eps), 0.0, d)
+
+
+@lower(aten._prelu_kernel.default)
+def prelu(self, weight):
+    x, w = _common(self, weight)
+    return jnp.where(x > 0, x, w * x)
+
+
+@lower(aten._prelu_kernel_backward.default)
+def prelu_backward(grad_output, self, weight):
+    g, x, w = _common(grad_output, self, weight)
+    return jnp.where(x > 0, g, w * g), jnp.where(x > 0, jnp.zeros_like(g), x * g)
+
+
+def _glu(x, dim):
+    a, b = jnp.split(x, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+@lower(aten.glu.default)
+def glu(self, dim=-1):
+    return _glu(_fl(self), dim)
+
+
+@lower(aten.glu_backward.default)
+def glu_backward(grad_output, self, dim):
+    g, x = _common(grad_output, self)
+    _, vjp = jax.vjp(lambda v: _glu(v, dim), x)
+    return vjp(g)[0]
+
+
+@lower(aten.softshrink.default)
+def softshrink(self, lambd=0.5):
+    x = _fl(self)
+    return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, jnp.zeros_like(x)))
+
+
+@lower(aten.softshrink_backward.default)
+def softshrink_backward(grad_output, self, lambd):
+    g, x = _common(grad_output, self)
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros_like(g), g)
+
+
+@lower(aten.hardshrink.default)
+def hardshrink(self, lambd=0.5):
+    x = _fl(self)
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros_like(x), x)
+
+
+@lower(aten.hardshrink_backward.default)
+def hardshrink_backward(grad_out, self, lambd):
+    g, x = _common(grad_out, self)
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros_like(g), g)
+
+
+@lower(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward(self):
+    """min(x, 0) - log1p(exp(-|x|)); the buffer is unused by the backward below."""
+    x = _fl(self)
+    out = jnp.minimum(x, 0) - jnp.log1p(jnp.exp(-jnp.abs(x)))
+    return out, jnp.zeros((), x.dtype)
+
+
+@lower(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward(grad_output, self, buffer):
+    g, x = _common(grad_output, self)
+    neg = x < 0
+    z = jnp.exp(-jnp.abs(x))
+    return g * (jnp.where(neg, 1.0, 0.0) - jnp.where(neg, 1.0, -1.0) * (z / (1 + z)))

@@ -1,5 +1,531 @@
-"""Lowerings: indexing ops."""
+"""Lowerings: indexing ops (advanced indexing, gather/scatter, index_* and masked ops).
+
+XLA clamps out-of-range gather indices and drops out-of-range scatter updates, which would be a
+silent wrong answer. So every op that takes index *values* has a ``check`` that reads their range
+(a host sync, accepted) and raises the exception type CPU raises, with a message naming the op.
+
+Boolean masks give data-dependent shapes; the hand kernels here turn them into integer indices on
+the host (one sync) and then run the ordinary lowering.
+"""
 
 from __future__ import annotations
 
-from torch_tpu.ops._registry import aten, lower  # noqa: F401
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_tpu._dispatch import _OpKernel, kernel
+from torch_tpu._storage import is_tpu, new_tensor, read, to_numpy
+from torch_tpu.ops._registry import Lowering, aten, lower
+from torch_tpu.runtime.executor import Program, execute
+
+# ------------------------------------------------------------------------------------ checks
+_MINMAX = Program("index range (min, max)", lambda a: (jnp.min(a), jnp.max(a)))
+
+
+def index_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """(min, max) of an index tensor as Python ints (a sync), or None when it is empty."""
+    if t.numel() == 0:
+        return None
+    if is_tpu(t):
+        lo, hi = execute(_MINMAX, read(t))
+        return int(lo), int(hi)
+    return int(t.min()), int(t.max())
+
+
+def check_bounds(
+    op: str, index: torch.Tensor, size: int, dim: int, exc: type = RuntimeError, negative: bool = False
+) -> None:
+    """Raises ``exc`` unless every value of ``index`` addresses one of ``size`` entries.
+
+    ``negative``: indices in [-size, 0) are allowed (they count from the end), as in ``t[idx]``.
+    """
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        return  # the meta kernel raises CPU's dtype error
+    r = index_range(index)
+    if r is None:
+        return
+    lo_ok = -size if negative else 0
+    for v in r:
+        if v < lo_ok or v >= size:
+            raise exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
+
+
+def _dim(dim: int, ndim: int) -> int:
+    n = max(ndim, 1)
+    return dim + n if dim < 0 else dim
+
+
+# ------------------------------------------------------------------------------ helpers (jax)
+def _as_1d(x):
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def _along(dim: int, index) -> tuple:
+    """The ``.at[]`` / getitem key selecting ``index`` along ``dim``."""
+    return (slice(None),) * dim + (index,)
+
+
+def _scatter_key(index, dim: int) -> tuple:
+    """Coordinates of every element of ``index`` in a scatter/gather along ``dim``."""
+    return tuple(
+        index if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d) for d in range(index.ndim)
+    )
+
+
+def _fit(src, shape):
+    """``src`` cut to ``shape`` (torch lets src/self be larger than index in every dim)."""
+    return src[tuple(slice(0, n) for n in shape)]
+
+
+def _identity(reduce: str, dtype):
+    if reduce in ("sum", "mean", "add"):
+        return jnp.zeros((), dtype)
+    if reduce in ("prod", "multiply"):
+        return jnp.ones((), dtype)
+    big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+    small = -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+    return jnp.asarray(small if reduce == "amax" else big, dtype)
+
+
+def _reduce_into(self, key: tuple, src, reduce: str, include_self: bool):
+    """``self`` with ``src`` reduced into positions ``key`` (scatter_reduce / index_reduce)."""
+    src = src.astype(self.dtype)
+    base = self if include_self else self.at[key].set(_identity(reduce, self.dtype))
+    ref = base.at[key]
+    if reduce in ("sum", "add", "mean"):
+        out = ref.add(src)
+    elif reduce in ("prod", "multiply"):
+        out = ref.multiply(src)
+    elif reduce == "amax":
+        out = ref.max(src)
+    elif reduce == "amin":
+        out = ref.min(src)
+    else:
+        raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, got {reduce}")
+    if reduce != "mean":
+        return out
+    count = jnp.zeros(self.shape, jnp.int32).at[key].add(jnp.ones(src.shape, jnp.int32))
+    count = count + (1 if include_self else 0)
+    safe = jnp.maximum(count, 1).astype(self.dtype)
+    mean = out / safe if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.floor_divide(out, safe)
+    return jnp.where(count > 0, mean, self)
+
+
+# ------------------------------------------------------------------------- advanced indexing
+def _key(indices: list) -> tuple:
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+def _index(self, indices):
+    return self[_key(indices)]
+
+
+def _index_put(self, indices, values, accumulate=False, unsafe=False):
+    ref = self.at[_key(indices)]
+    values = values.astype(self.dtype)
+    return ref.add(values) if accumulate else ref.set(values)
+
+
+def _mask_put(self, indices, values, accumulate=False, unsafe=False):
+    """``self[mask] = v`` for one leading bool mask and a one-element ``v``: a select, no sync."""
+    mask = indices[0].astype(bool)
+    mask = mask.reshape(mask.shape + (1,) * (self.ndim - mask.ndim))
+    v = values.reshape(()).astype(self.dtype)
+    return jnp.where(mask, self + v if accumulate else v, self)
+
+
+def _check_index_args(self: torch.Tensor, indices: list, op: str) -> None:
+    """Bounds of integer indices (negative ones count from the end, as on CPU)."""
+    dim = 0
+    for ind in indices:
+        if ind is None:
+            dim += 1
+            continue
+        if ind.dtype in (torch.bool, torch.uint8):
+            dim += ind.dim()
+            continue
+        if dim < self.dim():
+            n = self.shape[dim]
+            r = index_range(ind)
+            if r is not None:
+                for v in r:
+                    if v < -n or v >= n:
+                        raise IndexError(f"{op}: index {v} is out of bounds for dimension {dim} with size {n}")
+        dim += 1
+
+
+def _expand_masks(self: torch.Tensor, indices: list) -> tuple[torch.Tensor, list]:
+    """Bool/uint8 masks become integer index tensors (reads the mask: a sync).
+
+    A 0-dim mask indexes a new size-1 dim, as torch does by unsqueezing ``self``.
+    """
+    from torch_tpu._kernels import host_to_device
+
+    out: list = []
+    dim = 0
+    for ind in indices:
+        if ind is not None and not is_tpu(ind):
+            ind = ind.to("tpu")
+        if ind is None or ind.dtype not in (torch.bool, torch.uint8):
+            out.append(ind)
+            dim += 1
+            continue
+        if ind.dim() == 0:
+            self = self.unsqueeze(dim)
+            ind = ind.reshape(1)
+        for j, n in enumerate(ind.shape):
+            if dim + j >= self.dim() or self.shape[dim + j] != n:
+                raise IndexError(
+                    f"The shape of the mask {list(ind.shape)} at index {j} does not match the shape of the "
+                    f"indexed tensor {list(self.shape)} at index {dim + j}"
+                )
+        for a in np.nonzero(to_numpy(ind)):
+            a = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+            out.append(new_tensor(tuple(a.shape), torch.int64, host_to_device(a)))
+        dim += ind.dim()
+    return self, out
+
+
+def _is_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
+    """Registers a hand kernel for ``op``: masks become indices, then ``fn``'s lowering runs."""
+    name = str(op).removeprefix("aten.")
+
+    def check(self, indices, *args, **kwargs):
+        _check_index_args(self, indices, name)
+
+    inner = _OpKernel(op, Lowering(fn, check=check), kind)
+    where = _OpKernel(op, Lowering(_mask_put), kind) if put else None
+
+    def run(self, indices, *args, **kwargs):
+        indices = list(indices)
+        if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
+            values = args[0] if args else kwargs["values"]
+            mask = indices[0]
+            if (
+                values.numel() == 1
+                and 0 < mask.dim() <= self.dim()
+                and tuple(mask.shape) == tuple(self.shape[: mask.dim()])
+                and values.dim() <= 1 + self.dim() - mask.dim()
+            ):
+                return where(self, indices, *args, **kwargs)
+        if any(_is_mask(i) for i in indices) or any(i is not None and not is_tpu(i) for i in indices):
+            target, indices = _expand_masks(self, indices)
+        else:
+            target = self
+        res = inner(target, indices, *args, **kwargs)
+        return self if kind == "inplace" else res
+
+    kernel(op)(run)
+
+
+_mask_kernel(aten.index.Tensor, "functional", _index, put=False)
+_mask_kernel(aten.index.Tensor_out, "out", _index, put=False)
+_mask_kernel(aten.index_put.default, "functional", _index_put, put=True)
+_mask_kernel(aten.index_put_.default, "inplace", _index_put, put=True)
+_mask_kernel(aten.index_put.out, "out", _index_put, put=True)
+_mask_kernel(aten._index_put_impl.default, "functional", _index_put, put=True)
+_mask_kernel(aten._index_put_impl_.default, "inplace", _index_put, put=True)
+_mask_kernel(aten._index_put_impl.out, "out", _index_put, put=True)
+
+
+@lower(aten._unsafe_index.Tensor)
+def _unsafe_index(self, indices):
+    """The caller promises in-range indices (upsampling decompositions): no check, no sync."""
+    return _index(self, indices)
+
+
+@lower(aten._unsafe_index_put)
+def _unsafe_index_put(self, indices, values, accumulate=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+@lower(aten._unsafe_masked_index)
+def _unsafe_masked_index(self, mask, indices, fill):
+    """Where ``mask`` is False the index may be anything: XLA's clamping makes that harmless."""
+    return jnp.where(mask, _index(self, indices), jnp.asarray(fill).astype(self.dtype))
+
+
+@lower(aten._unsafe_masked_index_put_accumulate)
+def _unsafe_masked_index_put_accumulate(self, mask, indices, values):
+    key = _key([None if i is None else jnp.where(mask, i, 0) for i in indices])
+    return self.at[key].add(jnp.where(mask, values, 0).astype(self.dtype))
+
+
+# ------------------------------------------------------------------------- index_select & co
+def _check_index_select(self, dim, index):
+    d = _dim(dim, self.dim())
+    check_bounds("index_select()", index, self.shape[d] if self.dim() else 1, d)
+
+
+@lower(aten.index_select, check=_check_index_select)
+def index_select(self, dim, index):
+    if self.ndim == 0:
+        return self
+    return jnp.take(self, index.reshape(-1), axis=_dim(dim, self.ndim))
+
+
+def _check_gather(self, dim, index, *, sparse_grad=False):
+    d = _dim(dim, self.dim())
+    check_bounds("gather()", index, self.shape[d] if self.dim() else 1, d)
+
+
+@lower(aten.gather, check=_check_gather)
+def gather(self, dim, index, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(index.shape, self.dtype)
+    if self.ndim == 0:
+        return self.reshape(index.shape)
+    d = _dim(dim, self.ndim)
+    index = _as_1d(index)
+    cut = tuple(slice(None) if k == d else slice(0, n) for k, n in enumerate(index.shape))
+    return jnp.take_along_axis(self[cut], index, axis=d).reshape(index.shape)
+
+
+def _check_scatter(self, dim, index, *args, **kwargs):
+    d = _dim(dim, self.dim())
+    check_bounds("scatter()", index, self.shape[d] if self.dim() else 1, d)
+
+
+def _scatter_with(self, dim, index, src, reduce: str | None, include_self: bool = True):
+    """Shared body of the scatter family, with 0-dim tensors seen as one element."""
+    shape = self.shape
+    if index.size == 0:
+        return self
+    x, index = _as_1d(self), _as_1d(index)
+    d = _dim(dim, x.ndim)
+    key = _scatter_key(index, d)
+    src = _fit(_as_1d(src), index.shape) if jnp.ndim(src) else jnp.broadcast_to(src, index.shape)
+    if reduce is None:
+        out = x.at[key].set(src.astype(x.dtype))
+    else:
+        out = _reduce_into(x, key, src, reduce, include_self)
+    return out.reshape(shape)
+
+
+@lower(aten.scatter.src, aten.scatter.value, check=_check_scatter)
+def scatter(self, dim, index, src=None, value=None):
+    return _scatter_with(self, dim, index, src if value is None else jnp.asarray(value), None)
+
+
+@lower(aten.scatter.reduce, aten.scatter.value_reduce, check=_check_scatter)
+def scatter_with_reduce(self, dim, index, src=None, value=None, reduce="add"):
+    if reduce not in ("add", "multiply"):
+        raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce}")
+    return _scatter_with(self, dim, index, src if value is None else jnp.asarray(value), reduce)
+
+
+@lower(aten.scatter_add, check=_check_scatter)
+def scatter_add(self, dim, index, src):
+    return _scatter_with(self, dim, index, src, "add")
+
+
+@lower(aten.scatter_reduce.two, check=_check_scatter)
+def scatter_reduce(self, dim, index, src, reduce, include_self=True):
+    return _scatter_with(self, dim, index, src, reduce, include_self)
+
+
+def _index_dim_check(op: str, exc: type = RuntimeError, negative: bool = False):
+    def check(self, dim, index, *args, **kwargs):
+        d = _dim(dim, self.dim())
+        check_bounds(op, index, self.shape[d] if self.dim() else 1, d, exc, negative)
+
+    return check
+
+
+def _along_dim(self, dim, index, update):
+    """``(x, key, update)`` for an update of ``self`` along ``dim`` at 1-d ``index``; a 0-dim
+    ``self`` is seen as one element."""
+    x = _as_1d(self)
+    d = _dim(dim, x.ndim)
+    index = index.reshape(-1)
+    update = jnp.asarray(update).astype(x.dtype)
+    if update.ndim not in (0, x.ndim):
+        update = update.reshape(x.shape[:d] + (index.shape[0],) + x.shape[d + 1 :])
+    return x, _along(d, index), update
+
+
+@lower(aten.index_add, check=_index_dim_check("index_add()"))
+def index_add(self, dim, index, source, alpha=None):
+    x, key, src = _along_dim(self, dim, index, source if alpha is None else source * alpha)
+    return x.at[key].add(src).reshape(self.shape)
+
+
+@lower(aten.index_copy, check=_index_dim_check("index_copy()", IndexError))
+def index_copy(self, dim, index, source):
+    x, key, src = _along_dim(self, dim, index, source)
+    return x.at[key].set(src).reshape(self.shape)
+
+
+@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, check=_index_dim_check("index_fill()", IndexError, True))
+def index_fill(self, dim, index, value):
+    x, key, _ = _along_dim(self, dim, index, 0)
+    return x.at[key].set(jnp.asarray(value).astype(x.dtype)).reshape(self.shape)
+
+
+@lower(aten.index_reduce, check=_index_dim_check("index_reduce()", IndexError))
+def index_reduce(self, dim, index, source, reduce, include_self=True):
+    x, key, src = _along_dim(self, dim, index, source)
+    return _reduce_into(x, key, src, reduce, include_self).reshape(self.shape)
+
+
+# ------------------------------------------------------------------------------- flat access
+def _check_take(self, index, *args, **kwargs):
+    n = self.numel()
+    r = index_range(index)
+    if r is not None:
+        for v in r:
+            if v < -n or v >= n:
+                name = "take()" if not args else "put()"
+                raise IndexError(f"{name}: out of range: tried to access index {v} on a tensor of {n} elements.")
+
+
+@lower(aten.take, check=_check_take)
+def take(self, index):
+    return self.reshape(-1)[index]
+
+
+@lower(aten.put, check=_check_take)
+def put(self, index, source, accumulate=False):
+    ref = self.reshape(-1).at[index.reshape(-1)]
+    src = source.reshape(-1).astype(self.dtype)
+    return (ref.add(src) if accumulate else ref.set(src)).reshape(self.shape)
+
+
+# ------------------------------------------------------------------------------ masked ops
+_COUNT = Program("mask count", lambda m: jnp.count_nonzero(m))
+
+
+def _check_masked_scatter(self, mask, source):
+    if self.dtype != source.dtype or mask.dtype != torch.bool or not is_tpu(mask) or mask.numel() == 0:
+        return  # the meta kernel raises CPU's errors for these
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    count = int(execute(_COUNT, read(mask))) * (math.prod(shape) // mask.numel())
+    if source.numel() < count:
+        raise RuntimeError("masked_scatter: Number of elements of source < number of ones in mask")
+
+
+@lower(aten.masked_scatter, check=_check_masked_scatter)
+def masked_scatter(self, mask, source):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    x = jnp.broadcast_to(self, shape)
+    m = jnp.broadcast_to(mask.astype(bool), shape).reshape(-1)
+    pos = jnp.cumsum(m.astype(jnp.int32)) - 1
+    src = source.reshape(-1)
+    if src.size == 0:
+        return x
+    picked = src[jnp.clip(pos, 0, src.size - 1)].astype(x.dtype)
+    return jnp.where(m, picked, x.reshape(-1)).reshape(shape)
+
+
+_TAKE_FLAT = Program("masked_select gather", lambda x, i: x.reshape(-1)[i])
+
+
+@kernel(aten.masked_select.default)
+def _masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Data-dependent size: the mask is read on the host (a sync)."""
+    from torch_tpu._kernels import host_to_device
+
+    if mask.dtype != torch.bool:
+        raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
+    meta_self = torch.empty(self.shape, device="meta")
+    shape = torch.broadcast_shapes(meta_self.shape, mask.shape)
+    m = np.broadcast_to(to_numpy(mask) if is_tpu(mask) else mask.numpy(), shape)
+    flat = torch.from_numpy(np.flatnonzero(m).astype(np.int64))
+    x = jnp.broadcast_to(read(self), shape)
+    out = execute(_TAKE_FLAT, x, host_to_device(flat))
+    return new_tensor((flat.numel(),), self.dtype, out)
+
+
+@kernel(aten.masked_select.out)
+def _masked_select_out(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    res = _masked_select(self, mask)
+    out.resize_(res.shape)
+    out.copy_(res)
+    return out
+
+
+# ------------------------------------------------------------------------------- nonzero
+@kernel(aten.nonzero.default)
+def _nonzero(self: torch.Tensor) -> torch.Tensor:
+    """Data-dependent size: the tensor is read on the host (a sync)."""
+    from torch_tpu._kernels import host_to_device
+
+    a = to_numpy(self)
+    idx = np.argwhere(a) if a.ndim else np.zeros((int(bool(a)), 0), np.int64)
+    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+    return new_tensor(tuple(t.shape), torch.int64, host_to_device(t))
+
+
+@kernel(aten.nonzero.out)
+def _nonzero_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    res = _nonzero(self)
+    out.resize_(res.shape)
+    out.copy_(res)
+    return out
+
+
+@lower(aten.nonzero_static)
+def nonzero_static(self, size, fill_value=-1):
+    if self.ndim == 0:
+        return jnp.full((size, 0), fill_value, jnp.int64)
+    cols = jnp.nonzero(self, size=size, fill_value=fill_value)
+    return jnp.stack(cols, axis=1)
+
+
+# ------------------------------------------------------------------------------ *_scatter
+@lower(aten.select_scatter)
+def select_scatter(self, src, dim, index):
+    return self.at[_along(_dim(dim, self.ndim), index)].set(src.astype(self.dtype))
+
+
+@lower(aten.slice_scatter)
+def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
+    return self.at[_along(_dim(dim, self.ndim), slice(start, end, step))].set(src.astype(self.dtype))
+
+
+@lower(aten.diagonal_scatter)
+def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
+    d1, d2 = _dim(dim1, self.ndim), _dim(dim2, self.ndim)
+    x = jnp.moveaxis(self, (d1, d2), (-2, -1))
+    n = src.shape[-1]
+    i = jnp.arange(n) + max(-offset, 0)
+    j = jnp.arange(n) + max(offset, 0)
+    x = x.at[..., i, j].set(src.astype(self.dtype))
+    return jnp.moveaxis(x, (-2, -1), (d1, d2))
+
+
+@lower(aten.as_strided_scatter)
+def as_strided_scatter(self, src, size, stride, storage_offset=None):
+    idx = np.full(tuple(size), storage_offset or 0, np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    flat = self.reshape(-1).at[idx.reshape(-1)].set(src.reshape(-1).astype(self.dtype))
+    return flat.reshape(self.shape)
+
+
+# ------------------------------------------------------------------------------ embedding
+def _check_embedding(weight, indices, *args, **kwargs):
+    r = index_range(indices)
+    if r is not None and (r[0] < 0 or r[1] >= weight.shape[0]):
+        raise IndexError("embedding_renorm_(): index out of range in self")
+
+
+@lower(aten.embedding_renorm, check=_check_embedding)
+def embedding_renorm(self, indices, max_norm, norm_type):
+    """Rows named by ``indices`` (each once) are scaled down to norm ``max_norm``, as on CPU."""
+    used = jnp.zeros(self.shape[0], bool).at[indices.reshape(-1)].set(True)
+    x = self.astype(jnp.float32) if self.dtype in (jnp.bfloat16, jnp.float16) else self
+    norm = jnp.sum(jnp.abs(x) ** norm_type, axis=1) ** (1.0 / norm_type)
+    scale = jnp.where(used & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return (x * scale[:, None].astype(x.dtype)).astype(self.dtype)

@@ -1,5 +1,1139 @@
-"""Lowerings: nn ops."""
+"""Neural-network ops: normalisation, pooling, losses, embeddings, resampling and padding.
+
+Most are plain lowerings. A few need a hand-written kernel (:func:`jax_kernel`) because torch's
+meta kernel cannot describe them: backward ops whose ``output_mask`` leaves some results undefined
+(the meta kernel returns ``None`` there), and batch norm, which updates its running statistics in
+place and, in eval mode, returns empty saved statistics on CPU where the meta kernel says ``[C]``.
+Backward ops without a cheaper closed form are ``jax.vjp`` of the forward lowering.
+
+Reduced-precision floats (bf16, f16) are computed in float32 and cast back, as CPU does.
+"""
 
 from __future__ import annotations
 
-from torch_tpu.ops._registry import aten, lower  # noqa: F401
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_tpu import _dtypes
+from torch_tpu._dispatch import _meta, device_mismatch, register_kernel
+from torch_tpu._storage import is_tpu, new_tensor, read, write
+from torch_tpu.ops._registry import aten, lower
+from torch_tpu.runtime import metrics
+from torch_tpu.runtime.executor import Program, execute
+
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _acc(x):
+    """``x`` in the precision CPU accumulates it in (float32 for bf16/f16)."""
+    return x.astype(jnp.float32) if x is not None and x.dtype in _LOW else x
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(_freeze(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+# ------------------------------------------------------------------------ hand-written kernels
+_PROGRAMS: dict[tuple, Program] = {}
+
+
+def run_jax(name: str, fn: Callable, static: dict, dynamic: dict, out_dtypes: Sequence[Any]) -> tuple:
+    """Runs ``fn(**static, **dynamic)`` as a cached jitted program; results cast to ``out_dtypes``.
+
+    ``dynamic`` holds tpu tensors (read as jax arrays) and Python floats (runtime values).
+    """
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in static.items()))
+    dyn_names = tuple(dynamic)
+    jdts = tuple(None if d is None else _dtypes.to_jax(d) for d in out_dtypes)
+    key = (name, id(fn), frozen, dyn_names, jdts)
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+
+        def program(*vals):
+            res = fn(**static, **dict(zip(dyn_names, vals)))
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            return tuple(r if d is None else jnp.asarray(r).astype(d) for r, d in zip(res, jdts))
+
+        prog = _PROGRAMS[key] = Program(f"{name}({', '.join(f'{k}={v!r}' for k, v in frozen)})", program)
+    vals = []
+    for v in dynamic.values():
+        if isinstance(v, torch.Tensor):
+            if not is_tpu(v):
+                raise device_mismatch(name, v.device)
+            vals.append(read(v))
+        else:
+            vals.append(v)
+    return execute(prog, *vals)
+
+
+def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _split(bound: dict) -> tuple[dict, dict]:
+    static, dynamic = {}, {}
+    for k, v in bound.items():
+        if isinstance(v, torch.Tensor) or type(v) is float:
+            dynamic[k] = v
+        else:
+            static[k] = v
+    return static, dynamic
+
+
+def jax_kernel(op: torch._ops.OpOverload, fn: Callable) -> None:
+    """Registers ``fn`` (schema-named arguments, jax arrays in, arrays out) as ``op``'s kernel.
+
+    Unlike a lowering, results may be undefined: ``fn`` returns only the outputs whose meta result
+    is a tensor (the ones ``output_mask`` asked for), and the rest come back as ``None``.
+    """
+    name = str(op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += 1
+        metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+        metas = metas if isinstance(metas, (tuple, list)) else (metas,)
+        static, dynamic = _split(_bind(op, args, kwargs))
+        defined = [m for m in metas if m is not None]
+        outs = iter(run_jax(name, fn, static, dynamic, [m.dtype for m in defined]))
+        res = [None if m is None else _wrap(next(outs), m.dtype) for m in metas]
+        return res[0] if len(res) == 1 else tuple(res)
+
+    register_kernel(op, run, "kernel (jax)")
+
+
+def _wrap(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    return new_tensor(tuple(value.shape), dtype, value)
+
+
+def _reduce(loss, reduction: int):
+    """torch's Reduction enum: 0 none, 1 mean, 2 sum."""
+    if reduction == 1:
+        return loss.mean()
+    if reduction == 2:
+        return loss.sum()
+    return loss
+
+
+def _norm_factor(x, reduction: int):
+    return 1.0 / max(x.size, 1) if reduction == 1 else 1.0
+
+
+# =================================================================================== batch norm
+def _channel_shape(x) -> tuple[int, ...]:
+    return (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+def _bn_axes(x) -> tuple[int, ...]:
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(out, save_mean, save_invstd, new_running_mean, new_running_var), as CPU computes them.
+
+    In training the batch statistics normalise and the running ones are blended with the batch
+    mean and *unbiased* variance; in eval the running statistics normalise.
+    """
+    x = _acc(input)
+    shape, axes = _channel_shape(x), _bn_axes(x)
+    if training:
+        mean = x.mean(axes)
+        var = jnp.square(x - mean.reshape(shape)).mean(axes)
+        invstd = lax.rsqrt(var + eps)
+        n = x.size // max(x.shape[1], 1)
+        new_rm = new_rv = None
+        if running_mean is not None:
+            new_rm = (1 - momentum) * running_mean + momentum * mean
+        if running_var is not None:
+            new_rv = (1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1))
+    else:
+        mean, invstd = _acc(running_mean), lax.rsqrt(_acc(running_var) + eps)
+        new_rm, new_rv = running_mean, running_var
+    out = (x - mean.reshape(shape)) * invstd.reshape(shape)
+    if weight is not None:
+        out = out * _acc(weight).reshape(shape)
+    if bias is not None:
+        out = out + _acc(bias).reshape(shape)
+    if not training:
+        mean = invstd = jnp.zeros((0,), x.dtype)  # CPU saves nothing in eval mode
+    return out, mean, invstd, new_rm, new_rv
+
+
+def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, reserve: bool) -> Callable:
+    """A kernel for one batch-norm entry point: runs the math and writes running stats in place."""
+    name = str(op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += 1
+        metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+        b = _bind(op, args, kwargs)
+        training = b.get("training", fixed_training)
+        rm, rv = b.get("running_mean"), b.get("running_var")
+        dyn = {
+            "input": b["input"], "weight": b.get("weight"), "bias": b.get("bias"),
+            "running_mean": rm, "running_var": rv,
+            "momentum": float(b["momentum"]), "eps": float(b["eps"]),
+        }
+        dyn = {k: v for k, v in dyn.items() if v is not None}
+        dtypes = [metas[0].dtype, metas[1].dtype, metas[2].dtype]
+        dtypes += [None if rm is None else rm.dtype, None if rv is None else rv.dtype]
+        out, mean, invstd, new_rm, new_rv = run_jax(
+            "batch_norm", _bn_program, {"training": training}, dyn, dtypes
+        )
+        functional = op in (aten._native_batch_norm_legit_functional.default, aten._batch_norm_with_update_functional.default)
+        if training and not functional:
+            if rm is not None:
+                write(rm, new_rm)
+            if rv is not None:
+                write(rv, new_rv)
+        res = [_wrap(out, dtypes[0]), _wrap(mean, dtypes[1]), _wrap(invstd, dtypes[2])]
+        if reserve:
+            res.append(new_tensor((0,), torch.uint8, jnp.zeros((0,), jnp.uint8)))
+        if functional:
+            res += [_wrap(new_rm, dtypes[3]), _wrap(new_rv, dtypes[4])]
+        return tuple(res)
+
+    return run
+
+
+def _bn_program(training, input, momentum, eps, weight=None, bias=None, running_mean=None, running_var=None):
+    out, mean, invstd, new_rm, new_rv = batch_norm_math(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    return out, mean, invstd, new_rm, new_rv
+
+
+for _op, _training, _reserve in (
+    (aten.native_batch_norm.default, None, False),
+    (aten._native_batch_norm_legit.default, None, False),
+    (aten._native_batch_norm_legit.no_stats, None, False),
+    (aten._native_batch_norm_legit_no_training.default, False, False),
+    (aten._native_batch_norm_legit_functional.default, None, False),
+    (aten._batch_norm_with_update.default, True, True),
+    (aten._batch_norm_with_update_functional.default, True, True),
+    (aten._batch_norm_no_update.default, False, True),
+):
+    register_kernel(_op, _batch_norm_kernel(_op, _training, _reserve), "kernel (batch norm)")
+
+
+def _bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps, output_mask):
+    x, g = _acc(input), _acc(grad_out)
+    shape, axes = _channel_shape(x), _bn_axes(x)
+    if train:
+        mean, invstd = _acc(save_mean), _acc(save_invstd)
+    else:
+        mean, invstd = _acc(running_mean), lax.rsqrt(_acc(running_var) + eps)
+    w = jnp.ones_like(invstd) if weight is None else _acc(weight)
+    xhat = (x - mean.reshape(shape)) * invstd.reshape(shape)
+    gb = g.sum(axes)
+    gw = (g * xhat).sum(axes)
+    if train:
+        n = x.size // max(x.shape[1], 1)
+        gx = (w * invstd).reshape(shape) * (g - (gb / n).reshape(shape) - xhat * (gw / n).reshape(shape))
+    else:
+        gx = g * (w * invstd).reshape(shape)
+    return tuple(r for r, m in zip((gx, gw, gb), output_mask) if m)
+
+
+def _native_bn_backward(
+    grad_out, input, output_mask, train, eps, weight=None, running_mean=None, running_var=None, save_mean=None,
+    save_invstd=None,
+):
+    return _bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps,
+                        output_mask)
+
+
+def _bn_backward_update(
+    grad_out, input, weight, output_mask, update, eps, reserve, running_mean=None, running_var=None, save_mean=None,
+    save_var=None,
+):
+    return _bn_backward(grad_out, input, weight, save_mean, save_var, running_mean, running_var, update, eps,
+                        output_mask)
+
+
+jax_kernel(aten.native_batch_norm_backward.default, _native_bn_backward)
+jax_kernel(aten.batch_norm_backward.default, _bn_backward_update)
+
+
+# =================================================================================== layer norm
+@lower(aten.native_layer_norm.default)
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    x = _acc(input)
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = x.mean(axes, keepdims=True)
+    rstd = lax.rsqrt(jnp.square(x - mean).mean(axes, keepdims=True) + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * _acc(weight)
+    if bias is not None:
+        out = out + _acc(bias)
+    return out, mean, rstd
+
+
+def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, output_mask, weight=None, bias=None):
+    x, g = _acc(input), _acc(grad_out)
+    k = len(normalized_shape)
+    axes = tuple(range(x.ndim - k, x.ndim))
+    lead = tuple(range(x.ndim - k))
+    xhat = (x - _acc(mean)) * _acc(rstd)
+    gw = g if weight is None else g * _acc(weight)
+    gx = _acc(rstd) * (gw - gw.mean(axes, keepdims=True) - xhat * (gw * xhat).mean(axes, keepdims=True))
+    res = [gx, (g * xhat).sum(lead), g.sum(lead)]
+    return tuple(r for r, m in zip(res, output_mask) if m)
+
+
+jax_kernel(aten.native_layer_norm_backward.default, _layer_norm_backward)
+
+
+# =================================================================================== group norm
+@lower(aten.native_group_norm.default)
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    x = _acc(input).reshape(N, group, -1)
+    mean = x.mean(-1)
+    rstd = lax.rsqrt(jnp.square(x - mean[..., None]).mean(-1) + eps)
+    out = ((x - mean[..., None]) * rstd[..., None]).reshape(N, C, -1)
+    if weight is not None:
+        out = out * _acc(weight)[:, None]
+    if bias is not None:
+        out = out + _acc(bias)[:, None]
+    return out.reshape(input.shape), mean, rstd
+
+
+def _group_norm_backward(grad_out, input, mean, rstd, N, C, HxW, group, output_mask, weight=None):
+    x = _acc(input).reshape(N, group, C // max(group, 1), HxW)
+    g = _acc(grad_out).reshape(x.shape)
+    xhat = (x - _acc(mean)[..., None, None]) * _acc(rstd)[..., None, None]
+    gw = g if weight is None else g * _acc(weight).reshape(1, group, -1, 1)
+    red = (2, 3)
+    gx = _acc(rstd)[..., None, None] * (
+        gw - gw.mean(red, keepdims=True) - xhat * (gw * xhat).mean(red, keepdims=True)
+    )
+    dweight = (g * xhat).sum((0, 3)).reshape(C)
+    dbias = g.sum((0, 3)).reshape(C)
+    res = [gx.reshape(input.shape), dweight, dbias]
+    return tuple(r for r, m in zip(res, output_mask) if m)
+
+
+jax_kernel(aten.native_group_norm_backward.default, _group_norm_backward)
+
+
+# ====================================================================================== pooling
+def _expand(v: Sequence[int], n: int, default: Sequence[int] | None = None) -> list[int]:
+    v = list(v) if v is not None else []
+    if not v and default is not None:
+        return list(default)
+    return v * n if len(v) == 1 else v
+
+
+def pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """torch's pooling_output_shape: ceil mode may not start a window in the right padding."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def _pool_params(x, n, kernel_size, stride, padding, dilation, ceil_mode):
+    k = _expand(kernel_size, n)
+    s = _expand(stride, n, k)
+    p = _expand(padding, n)
+    d = _expand(dilation, n) if dilation is not None else [1] * n
+    sizes = x.shape[x.ndim - n:]
+    out = [pool_out_size(L, kk, ss, pp, dd, ceil_mode) for L, kk, ss, pp, dd in zip(sizes, k, s, p, d)]
+    return k, s, p, d, out
+
+
+def _patches(x, n, k, s, p, d, out, fill):
+    """The pooling windows of the last ``n`` dims: ``(..., *out, prod(k))``, padding read as ``fill``,
+    and each window element's flat index into the input's last ``n`` dims (or -1 in the padding)."""
+    lead = x.ndim - n
+    sizes = x.shape[lead:]
+    hi = [max(0, (o - 1) * ss + dd * (kk - 1) + 1 - L - pp) for o, ss, dd, kk, L, pp in zip(out, s, d, k, sizes, p)]
+    xp = lax.pad(x, jnp.asarray(fill, x.dtype), [(0, 0, 0)] * lead + [(pp, h, 0) for pp, h in zip(p, hi)])
+    slices = []
+    for offs in itertools.product(*[range(kk) for kk in k]):
+        start = [o * dd for o, dd in zip(offs, d)]
+        limit = [st + (o - 1) * ss + 1 for st, o, ss in zip(start, out, s)]
+        slices.append(lax.slice(xp, [0] * lead + start, list(xp.shape[:lead]) + limit, [1] * lead + list(s)))
+    values = jnp.stack(slices, axis=-1)
+    # flat input index of every (output position, window element)
+    flat = np.zeros(tuple(out) + (math.prod(k),), np.int64)
+    valid = np.ones_like(flat, dtype=bool)
+    stride_in = 1
+    for i in reversed(range(n)):
+        o = np.arange(out[i]).reshape([-1 if j == i else 1 for j in range(n)] + [1])
+        kk = np.array([offs[i] for offs in itertools.product(*[range(q) for q in k])])
+        idx = o * s[i] - p[i] + kk * d[i]
+        valid &= (idx >= 0) & (idx < sizes[i])
+        flat = flat + idx * stride_in
+        stride_in *= sizes[i]
+    return values, np.where(valid, flat, -1)
+
+
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
+    k, s, p, d, out = _pool_params(x, n, kernel_size, stride, padding, dilation, ceil_mode)
+    values, flat = _patches(x, n, k, s, p, d, out, _lowest(x.dtype))
+    arg = jnp.argmax(values, axis=-1)
+    best = jnp.take_along_axis(values, arg[..., None], axis=-1)[..., 0]
+    idx = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), values.shape), arg[..., None], axis=-1)[..., 0]
+    return best, idx
+
+
+@lower(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool(self, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@lower(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool(self, 3, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def scatter_to_input(grad_output, input_shape, indices, n):
+    """Adds each output gradient to the input element its flat spatial index names."""
+    lead = input_shape[: len(input_shape) - n]
+    rows = math.prod(lead)
+    g = grad_output.reshape(rows, -1)
+    idx = indices.reshape(rows, -1)
+    out = jnp.zeros((rows, math.prod(input_shape[len(input_shape) - n:])), g.dtype)
+    out = out.at[jnp.arange(rows)[:, None], idx].add(g, mode="drop")
+    return out.reshape(input_shape)
+
+
+@lower(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 2)
+
+
+@lower(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 3)
+
+
+def _avg_pool(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    k, s, p, _, out = _pool_params(x, n, kernel_size, stride, padding, None, ceil_mode)
+    xa = _acc(x)
+    lead = x.ndim - n
+    sizes = x.shape[lead:]
+    hi = [max(0, (o - 1) * ss + kk - L - pp) for o, ss, kk, L, pp in zip(out, s, k, sizes, p)]
+    summed = lax.reduce_window(
+        xa, jnp.asarray(0, xa.dtype), lax.add, (1,) * lead + tuple(k), (1,) * lead + tuple(s),
+        [(0, 0)] * lead + [(pp, h) for pp, h in zip(p, hi)],
+    )
+    summed = summed[(slice(None),) * lead + tuple(slice(0, o) for o in out)]
+    if divisor_override:
+        return summed / divisor_override
+    div = np.ones((), np.int64)
+    for L, o, kk, ss, pp in zip(sizes, out, k, s, p):
+        start = np.arange(o) * ss - pp
+        end = np.minimum(start + kk, L + pp)
+        count = (end - start) if count_include_pad else (np.minimum(end, L) - np.maximum(start, 0))
+        div = div[..., None] * count
+    return summed / jnp.asarray(div, xa.dtype)
+
+
+@lower(aten.avg_pool2d.default)
+def avg_pool2d(self, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@lower(aten.avg_pool3d.default)
+def avg_pool3d(self, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def _avg_pool_backward(n):
+    def backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        fwd = functools.partial(
+            _avg_pool, n=n, kernel_size=kernel_size, stride=stride, padding=padding, ceil_mode=ceil_mode,
+            count_include_pad=count_include_pad, divisor_override=divisor_override,
+        )
+        _, vjp = jax.vjp(lambda x: fwd(x), _acc(self))
+        return vjp(_acc(grad_output))[0]
+
+    return backward
+
+
+lower(aten.avg_pool2d_backward.default)(_avg_pool_backward(2))
+lower(aten.avg_pool3d_backward.default)(_avg_pool_backward(3))
+
+
+def _adaptive_index(L: int, O: int) -> tuple[np.ndarray, np.ndarray]:
+    """Window (O, K) of input positions for adaptive pooling, and which of them are real."""
+    start = (np.arange(O) * L) // O
+    end = -((-(np.arange(O) + 1) * L) // O)
+    K = int((end - start).max()) if O else 1
+    idx = start[:, None] + np.arange(K)[None, :]
+    valid = idx < end[:, None]
+    return np.minimum(idx, L - 1), valid
+
+
+def _adaptive_windows(x, output_size, fill):
+    """Adaptive windows of the last ``len(output_size)`` dims: ``(..., *out, K)`` values (invalid
+    positions read as ``fill``) and the flat input index of each."""
+    n = len(output_size)
+    lead = x.ndim - n
+    sizes = x.shape[lead:]
+    flat = np.zeros((), np.int64)
+    valid_all = np.ones((), bool)
+    stride_in = math.prod(sizes)
+    for i, (L, O) in enumerate(zip(sizes, output_size)):
+        idx, valid = _adaptive_index(L, O)
+        x = jnp.take(x, jnp.asarray(idx.reshape(-1)), axis=lead + 2 * i).reshape(
+            x.shape[: lead + 2 * i] + idx.shape + x.shape[lead + 2 * i + 1:]
+        )
+        stride_in //= L
+        flat = flat[..., None, None] + idx * stride_in
+        valid_all = valid_all[..., None, None] & valid
+    # x: (..., O1, K1, O2, K2, ...) -> (..., O1, O2, ..., K1*K2*...)
+    perm = list(range(lead)) + [lead + 2 * i for i in range(n)] + [lead + 2 * i + 1 for i in range(n)]
+    x = x.transpose(perm)
+    x = x.reshape(x.shape[: lead + n] + (-1,))
+    fperm = [2 * i for i in range(n)] + [2 * i + 1 for i in range(n)]
+    flat = flat.transpose(fperm).reshape(tuple(output_size) + (-1,))
+    valid_all = valid_all.transpose(fperm).reshape(flat.shape)
+    return jnp.where(valid_all, x, jnp.asarray(fill, x.dtype)), flat, valid_all
+
+
+def _adaptive_avg(self, output_size):
+    x = _acc(self)
+    values, _, valid = _adaptive_windows(x, list(output_size), 0)
+    return values.sum(-1) / jnp.asarray(valid.sum(-1), x.dtype)
+
+
+@lower(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool(self, output_size):
+    return _adaptive_avg(self, output_size)
+
+
+@lower(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
+def adaptive_avg_pool_backward(grad_output, self):
+    n = 2 if grad_output.ndim <= 4 and self.ndim <= 4 else 3
+    n = min(n, grad_output.ndim - 1)
+    out = grad_output.shape[grad_output.ndim - n:]
+    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, out), _acc(self))
+    return vjp(_acc(grad_output))[0]
+
+
+def _adaptive_max(self, output_size):
+    values, flat, _ = _adaptive_windows(self, list(output_size), _lowest(self.dtype))
+    arg = jnp.argmax(values, axis=-1)
+    best = jnp.take_along_axis(values, arg[..., None], axis=-1)[..., 0]
+    idx = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), values.shape), arg[..., None], axis=-1)[..., 0]
+    return best, idx
+
+
+@lower(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(self, output_size):
+    return _adaptive_max(self, output_size)
+
+
+@lower(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 2)
+
+
+@lower(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 3)
+
+
+def _check_unpool_indices(self, indices, output_size, *rest, **kw):
+    limit = math.prod(output_size)
+    idx = read(indices)
+    if idx.size and bool(jnp.any((idx < 0) | (idx >= limit))):
+        bad = int(idx[(idx < 0) | (idx >= limit)][0])
+        raise RuntimeError(f"Found an invalid max index: {bad} (output volumes are of size {'x'.join(map(str, output_size))}")
+
+
+def _max_unpool(self, indices, output_size):
+    n = len(output_size)
+    lead = self.shape[: self.ndim - n]
+    rows = math.prod(lead)
+    out = jnp.zeros((rows, math.prod(output_size)), self.dtype)
+    out = out.at[jnp.arange(rows)[:, None], indices.reshape(rows, -1)].set(self.reshape(rows, -1), mode="drop")
+    return out.reshape(tuple(lead) + tuple(output_size))
+
+
+@lower(aten.max_unpool2d.default, check=_check_unpool_indices)
+def max_unpool2d(self, indices, output_size):
+    return _max_unpool(self, indices, output_size)
+
+
+@lower(aten.max_unpool3d.default, check=_check_unpool_indices)
+def max_unpool3d(self, indices, output_size, stride, padding):
+    return _max_unpool(self, indices, output_size)
+
+
+# ============================================================================== im2col / col2im
+def _im2col(x, kernel_size, dilation, padding, stride):
+    batched = x.ndim == 4
+    x = x if batched else x[None]
+    k, d, p, s = _expand(kernel_size, 2), _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2)
+    out = [pool_out_size(L, kk, ss, pp, dd, False) for L, kk, ss, pp, dd in zip(x.shape[2:], k, s, p, d)]
+    values, _ = _patches(x, 2, k, s, p, d, out, 0)  # (N, C, oh, ow, K)
+    N, C = x.shape[:2]
+    cols = values.transpose(0, 1, 4, 2, 3).reshape(N, C * math.prod(k), out[0] * out[1])
+    return cols if batched else cols[0]
+
+
+@lower(aten.im2col.default)
+def im2col(self, kernel_size, dilation, padding, stride):
+    return _im2col(self, kernel_size, dilation, padding, stride)
+
+
+@lower(aten.col2im.default)
+def col2im(self, output_size, kernel_size, dilation, padding, stride):
+    batched = self.ndim == 3
+    cols = self if batched else self[None]
+    k = _expand(kernel_size, 2)
+    shape = (cols.shape[0], cols.shape[1] // math.prod(k)) + tuple(_expand(output_size, 2))
+    zeros = jnp.zeros(shape, cols.dtype)
+    _, vjp = jax.vjp(lambda x: _im2col(x, kernel_size, dilation, padding, stride), zeros)
+    out = vjp(cols)[0]
+    return out if batched else out[0]
+
+
+# ======================================================================================= losses
+def _check_nll_target(self, target, weight=None, reduction=1, ignore_index=-100, *rest, **kw):
+    """CPU reads the target values: an out-of-range class is an IndexError."""
+    t = read(target)
+    C = self.shape[1] if self.dim() >= 2 else self.shape[0]
+    bad = (t != ignore_index) & ((t < 0) | (t >= C))
+    if t.size and bool(jnp.any(bad)):
+        raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    """(picked log-prob, per-element weight), classes on dim 1 (or 0 for an unbatched input)."""
+    x = _acc(self)
+    cls = 1 if x.ndim >= 2 else 0
+    x = jnp.moveaxis(x, cls, -1)
+    ignored = target == ignore_index
+    safe = jnp.where(ignored, 0, target)
+    picked = jnp.take_along_axis(x, safe[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    w = jnp.ones(safe.shape, x.dtype) if weight is None else _acc(weight)[safe]
+    return picked, jnp.where(ignored, 0, w)
+
+
+def _nll_forward(self, target, weight, reduction, ignore_index):
+    picked, w = _nll_parts(self, target, weight, ignore_index)
+    loss = -picked * w
+    if reduction == 0:
+        return loss, jnp.zeros((), loss.dtype)
+    total = w.sum()
+    return (loss.sum() / total if reduction == 1 else loss.sum()), total
+
+
+def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    cls = 1 if self.ndim >= 2 else 0
+    _, w = _nll_parts(self, target, weight, ignore_index)
+    g = _acc(grad_output)
+    if reduction == 1:
+        g = g / _acc(total_weight)
+    C = self.shape[cls]
+    onehot = jnp.arange(C) == jnp.where(target == ignore_index, -1, target)[..., None]
+    grad = jnp.where(onehot, (-w * g)[..., None], 0)
+    return jnp.moveaxis(grad, -1, cls)
+
+
+lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, check=_check_nll_target)(_nll_forward)
+lower(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)(_nll_backward)
+
+
+@lower(aten.mse_loss.default)
+def mse_loss(self, target, reduction=1):
+    return _reduce(jnp.square(_acc(self) - _acc(target)), reduction)
+
+
+@lower(aten.mse_loss_backward.default)
+def mse_loss_backward(grad_output, self, target, reduction):
+    d = _acc(self) - _acc(target)
+    return 2 * d * _acc(grad_output) * _norm_factor(d, reduction)
+
+
+@lower(aten.smooth_l1_loss.default)
+def smooth_l1_loss(self, target, reduction=1, beta=1.0):
+    z = jnp.abs(_acc(self) - _acc(target))
+    return _reduce(jnp.where(z < beta, 0.5 * z * z / jnp.where(beta == 0, 1, beta), z - 0.5 * beta), reduction)
+
+
+@lower(aten.smooth_l1_loss_backward.default)
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    d = _acc(self) - _acc(target)
+    g = _acc(grad_output) * _norm_factor(d, reduction)
+    inner = d / jnp.where(beta == 0, 1, beta)
+    return jnp.where(d < -beta, -g, jnp.where(d > beta, g, inner * g))
+
+
+@lower(aten.huber_loss.default)
+def huber_loss(self, target, reduction=1, delta=1.0):
+    z = jnp.abs(_acc(self) - _acc(target))
+    return _reduce(jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta)), reduction)
+
+
+@lower(aten.huber_loss_backward.default)
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    d = _acc(self) - _acc(target)
+    g = _acc(grad_output) * _norm_factor(d, reduction)
+    return jnp.where(d < -delta, -g * delta, jnp.where(d > delta, g * delta, d * g))
+
+
+def _check_bce_input(self, *rest, **kw):
+    x = read(self)
+    if x.size and bool(jnp.any((x < 0) | (x > 1))):
+        raise RuntimeError("all elements of input should be between 0 and 1")
+
+
+@lower(aten.binary_cross_entropy.default, check=_check_bce_input)
+def binary_cross_entropy(self, target, weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    loss = -(t * jnp.maximum(jnp.log(x), -100) + (1 - t) * jnp.maximum(jnp.log1p(-x), -100))
+    if weight is not None:
+        loss = loss * _acc(weight)
+    return _reduce(loss, reduction)
+
+
+@lower(aten.binary_cross_entropy_backward.default)
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    g = _acc(grad_output) * _norm_factor(x, reduction) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
+    return g if weight is None else g * _acc(weight)
+
+
+@lower(aten.binary_cross_entropy_with_logits.default)
+def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(x))) + jnp.maximum(-x, 0)  # log(1 + exp(-x)), stably
+    if pos_weight is not None:
+        loss = (1 - t) * x + ((_acc(pos_weight) - 1) * t + 1) * softplus_neg
+    else:
+        loss = (1 - t) * x + softplus_neg
+    if weight is not None:
+        loss = loss * _acc(weight)
+    return _reduce(loss, reduction)
+
+
+@lower(aten.soft_margin_loss.default)
+def soft_margin_loss(self, target, reduction=1):
+    return _reduce(jnp.log1p(jnp.exp(-_acc(target) * _acc(self))), reduction)
+
+
+@lower(aten.soft_margin_loss_backward.default)
+def soft_margin_loss_backward(grad_output, self, target, reduction):
+    x, t = _acc(self), _acc(target)
+    z = jnp.exp(-t * x)
+    return -t * z / (1 + z) * _acc(grad_output) * _norm_factor(x, reduction)
+
+
+def _check_multilabel_target(self, target, *rest, **kw):
+    t = read(target)
+    C = self.shape[-1] if self.dim() else 1
+    if t.size and bool(jnp.any((t < -1) | (t >= C))):
+        raise RuntimeError(f"multilabel_margin_loss: target values must be in [-1, {C}), got an out-of-range value")
+
+
+def _multilabel_margin(self, target, reduction):
+    x = _acc(self)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    t2 = target.reshape(x2.shape)
+    C = x2.shape[-1]
+    # a target list ends at its first -1
+    live = jnp.cumprod(t2 != -1, axis=-1).astype(bool)
+    safe = jnp.where(live, t2, 0)
+    is_target = jnp.zeros(x2.shape, x.dtype).at[jnp.arange(x2.shape[0])[:, None], safe].max(live.astype(x.dtype))
+    xt = jnp.take_along_axis(x2, safe, axis=-1)  # (N, K)
+    z = 1 - xt[..., None] + x2[:, None, :]  # (N, K, C)
+    keep = live[..., None] & (is_target[:, None, :] == 0)
+    loss = jnp.where(keep & (z > 0), z, 0).sum((1, 2)) / C
+    loss = loss.reshape(self.shape[:-1]) if self.ndim > 1 else loss.reshape(())
+    return _reduce(loss, reduction), is_target.reshape(self.shape)
+
+
+@lower(aten.multilabel_margin_loss_forward.default, check=_check_multilabel_target)
+def multilabel_margin_loss_forward(self, target, reduction):
+    return _multilabel_margin(self, target, reduction)
+
+
+@lower(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
+    _, vjp = jax.vjp(lambda x: _multilabel_margin(x, target, reduction)[0], _acc(self))
+    return vjp(_acc(grad_output))[0]
+
+
+def _check_multi_margin(self, target, *rest, **kw):
+    t = read(target)
+    C = self.shape[-1] if self.dim() else 1
+    if t.size and bool(jnp.any((t < 0) | (t >= C))):
+        raise RuntimeError("target out of range")
+
+
+def _multi_margin(self, target, p, margin, weight, reduction):
+    x = _acc(self)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    t = target.reshape(-1)
+    C = x2.shape[-1]
+    xt = jnp.take_along_axis(x2, t[:, None], axis=-1)
+    z = margin - xt + x2
+    z = jnp.where((z > 0) & (jnp.arange(C) != t[:, None]), z, 0)
+    if p == 2:
+        z = z * z
+    if weight is not None:
+        z = z * _acc(weight)[t][:, None]
+    loss = z.sum(-1) / C
+    loss = loss.reshape(target.shape)
+    return _reduce(loss, reduction)
+
+
+@lower(aten.multi_margin_loss.default, static_scalars=True, check=_check_multi_margin)
+def multi_margin_loss(self, target, p=1, margin=1, weight=None, reduction=1):
+    return _multi_margin(self, target, p, margin, weight, reduction)
+
+
+@lower(aten.multi_margin_loss_backward.default, static_scalars=True)
+def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None, reduction=1):
+    _, vjp = jax.vjp(lambda x: _multi_margin(x, target, p, margin, weight, reduction), _acc(self))
+    return vjp(_acc(grad_output))[0]
+
+
+# =================================================================================== embeddings
+def _check_embedding(weight, indices, *rest, **kw):
+    idx = read(indices)
+    n = weight.shape[0]
+    if idx.size and bool(jnp.any((idx < 0) | (idx >= n))):
+        raise IndexError("index out of range in self")
+
+
+@lower(aten.embedding.default, check=_check_embedding)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@lower(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    g = _acc(grad_output).reshape(idx.shape[0], -1)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    if padding_idx >= 0:
+        g = jnp.where((idx == padding_idx)[:, None], 0, g)
+    return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
+
+
+def _bags(indices, offsets, include_last_offset):
+    """offset2bag (bag of every index) and the number of bags."""
+    n_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    pos = jnp.arange(indices.shape[0])
+    bag = jnp.searchsorted(offsets, pos, side="right") - 1
+    return jnp.clip(bag, 0, max(n_bags - 1, 0)), n_bags
+
+
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    if indices.ndim == 2:  # fixed-size bags
+        n, k = indices.shape
+        indices, offsets = indices.reshape(-1), jnp.arange(n) * k
+    offset2bag, n_bags = _bags(indices, offsets, include_last_offset)
+    keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    if include_last_offset:
+        keep = keep & (jnp.arange(indices.shape[0]) < offsets[-1])
+    w = _acc(weight)
+    rows = jnp.take(w, indices, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * _acc(per_sample_weights)[:, None]
+    bag_size = jnp.zeros((n_bags,), jnp.int64).at[offset2bag].add(keep.astype(jnp.int64))
+    if mode == 2:
+        vals = jnp.where(keep[:, None], rows, -jnp.inf)
+        best = jnp.full((n_bags, w.shape[1]), -jnp.inf, w.dtype).at[offset2bag].max(vals)
+        pos = jnp.arange(indices.shape[0])[:, None]
+        first = jnp.full(best.shape, indices.shape[0], jnp.int64).at[offset2bag].min(
+            jnp.where(vals == best[offset2bag], pos, indices.shape[0])
+        )
+        max_indices = jnp.where(bag_size[:, None] > 0, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
+        out = jnp.where(bag_size[:, None] > 0, best, 0)
+    else:
+        out = jnp.zeros((n_bags, w.shape[1]), w.dtype).at[offset2bag].add(jnp.where(keep[:, None], rows, 0))
+        if mode == 1:
+            out = out / jnp.maximum(bag_size, 1)[:, None].astype(w.dtype)
+        max_indices = jnp.zeros((0,), jnp.int64)
+    return out, offset2bag, bag_size, max_indices
+
+
+def _check_bag(weight, indices, offsets, *rest, **kw):
+    _check_embedding(weight, indices)
+
+
+lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, check=_check_bag)(_embedding_bag)
+
+
+def _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq,
+                        mode, per_sample_weights, padding_idx=-1):
+    idx = indices.reshape(-1)
+    g = _acc(grad)
+    if mode == 2:
+        mi = maximum_indices.reshape(-1)
+        cols = jnp.tile(jnp.arange(g.shape[1]), g.shape[0])
+        ok = jnp.repeat(bag_size > 0, g.shape[1])
+        out = jnp.zeros((num_weights, g.shape[1]), g.dtype)
+        return out.at[jnp.where(ok, mi, num_weights), cols].add(g.reshape(-1), mode="drop")
+    rows = g[offset2bag]
+    if mode == 1:
+        rows = rows / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(g.dtype)
+    if per_sample_weights is not None:
+        rows = rows * _acc(per_sample_weights)[:, None]
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
+        rows = rows / counts[idx][:, None]
+    if padding_idx >= 0:
+        rows = jnp.where((idx == padding_idx)[:, None], 0, rows)
+    return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(rows)
+
+
+@lower(aten._embedding_bag_dense_backward.default)
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    return _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                               scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lower(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    return _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                               scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lower(aten._embedding_bag_per_sample_weights_backward.default)
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    idx = indices.reshape(-1)
+    dots = (_acc(grad)[offset2bag] * _acc(weight)[idx]).sum(-1)
+    return jnp.where(idx == padding_idx, 0, dots) if padding_idx >= 0 else dots
+
+
+# ==================================================================================== resampling
+def _index_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _area_scale(in_size: int, out_size: int, align_corners: bool, scale, dt):
+    """torch's area_pixel_compute_scale; ``scale`` (a user's scale factor) may be a traced value."""
+    if align_corners:
+        return jnp.asarray((in_size - 1) / (out_size - 1) if out_size > 1 else 0.0, dt)
+    if scale is None:
+        return jnp.asarray(in_size / out_size, dt)
+    scale = jnp.asarray(scale, dt)
+    return jnp.where(scale > 0, 1 / scale, jnp.asarray(in_size / out_size, dt))
+
+
+def _nearest_index(in_size: int, out_size: int, scale, exact: bool, dt):
+    dst = jnp.arange(out_size)
+    if not exact and out_size == in_size:
+        return dst
+    if not exact and out_size == 2 * in_size:
+        return dst // 2
+    s = _area_scale(in_size, out_size, False, scale, dt)
+    src = jnp.floor((dst.astype(dt) + (0.5 if exact else 0.0)) * s).astype(jnp.int64)
+    return jnp.minimum(src, in_size - 1)
+
+
+def _upsample_nearest(x, output_size, scales, exact):
+    n = len(output_size)
+    for i, (O, s) in enumerate(zip(output_size, scales)):
+        axis = x.ndim - n + i
+        x = jnp.take(x, _nearest_index(x.shape[axis], O, s, exact, _index_dtype(x)), axis=axis)
+    return x
+
+
+def _interp_axis(x, axis, out_size, align_corners, scale, cubic):
+    in_size = x.shape[axis]
+    dt = _index_dtype(x)
+    s = _area_scale(in_size, out_size, align_corners, scale, dt)
+    dst = jnp.arange(out_size, dtype=dt)
+    src = s * dst if align_corners else s * (dst + 0.5) - 0.5
+    shape = [1] * x.ndim
+    shape[axis] = out_size
+    if not cubic:
+        src = jnp.maximum(src, 0) if not align_corners else src
+        i0 = jnp.floor(src).astype(jnp.int64)
+        lam = (src - i0).astype(x.dtype).reshape(shape)
+        i0 = jnp.minimum(i0, in_size - 1)
+        i1 = jnp.minimum(i0 + 1, in_size - 1)
+        return jnp.take(x, i0, axis=axis) * (1 - lam) + jnp.take(x, i1, axis=axis) * lam
+    i0 = jnp.floor(src).astype(jnp.int64)
+    t = (src - i0).astype(x.dtype)
+    A = -0.75
+
+    def conv1(v):
+        return ((A + 2) * v - (A + 3)) * v * v + 1
+
+    def conv2(v):
+        return ((A * v - 5 * A) * v + 8 * A) * v - 4 * A
+
+    coeffs = (conv2(t + 1), conv1(t), conv1(1 - t), conv2(2 - t))
+    out = 0
+    for k, c in enumerate(coeffs):
+        out = out + jnp.take(x, jnp.clip(i0 - 1 + k, 0, in_size - 1), axis=axis) * c.reshape(shape)
+    return out
+
+
+def _upsample_interp(x, output_size, align_corners, scales, cubic=False):
+    n = len(output_size)
+    x = _acc(x)
+    for i, (O, s) in enumerate(zip(output_size, scales)):
+        x = _interp_axis(x, x.ndim - n + i, O, align_corners, s, cubic)
+    return x
+
+
+def _register_upsample(op, n: int, kind: str):
+    """Lowers an upsample op and its backward (the vjp of the forward)."""
+    nearest = kind in ("nearest", "nearest_exact")
+
+    def forward(x, output_size, align_corners, scales):
+        if nearest:
+            return _upsample_nearest(x, output_size, scales, kind == "nearest_exact")
+        return _upsample_interp(x, output_size, align_corners, scales, cubic=(kind == "cubic"))
+
+    def split(rest):
+        if nearest:
+            return False, list(rest)[:n] + [None] * (n - len(rest))
+        rest = list(rest)
+        return rest[0], rest[1:n + 1] + [None] * (n + 1 - len(rest))
+
+    def fwd_lowering(self, output_size, *rest):
+        align, scales = split(rest)
+        return forward(self, list(output_size), align, scales)
+
+    def bwd_lowering(grad_output, output_size, input_size, *rest):
+        align, scales = split(rest)
+        zeros = jnp.zeros(tuple(input_size), _acc(grad_output).dtype)
+        _, vjp = jax.vjp(lambda x: forward(x, list(output_size), align, scales), zeros)
+        return vjp(_acc(grad_output))[0]
+
+    lower(op.default)(fwd_lowering)
+    lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default)(bwd_lowering)
+
+
+for _op, _n, _kind in (
+    (aten.upsample_nearest1d, 1, "nearest"),
+    (aten.upsample_nearest2d, 2, "nearest"),
+    (aten.upsample_nearest3d, 3, "nearest"),
+    (aten._upsample_nearest_exact1d, 1, "nearest_exact"),
+    (aten._upsample_nearest_exact2d, 2, "nearest_exact"),
+    (aten._upsample_nearest_exact3d, 3, "nearest_exact"),
+    (aten.upsample_linear1d, 1, "linear"),
+    (aten.upsample_bilinear2d, 2, "linear"),
+    (aten.upsample_trilinear3d, 3, "linear"),
+    (aten.upsample_bicubic2d, 2, "cubic"),
+):
+    _register_upsample(_op, _n, _kind)
+
+
+# ======================================================================================= padding
+def _pad_widths(x, padding):
+    """torch's pad list (last dim first, (left, right) pairs) as jnp.pad widths."""
+    n = len(padding) // 2
+    widths = [(0, 0)] * (x.ndim - n)
+    for i in range(n):
+        widths.append((padding[2 * (n - 1 - i)], padding[2 * (n - 1 - i) + 1]))
+    return widths
+
+
+def _pad(x, padding, mode):
+    widths = _pad_widths(x, padding)
+    x = jnp.pad(x, [(max(a, 0), max(b, 0)) for a, b in widths], mode=mode)
+    crop = tuple(slice(-a if a < 0 else 0, x.shape[i] + b if b < 0 else None) for i, (a, b) in enumerate(widths))
+    return x[crop]
+
+
+def _register_pad(op, mode):
+    def forward(self, padding):
+        return _pad(self, padding, mode)
+
+    def backward(grad_output, self, padding):
+        _, vjp = jax.vjp(lambda x: _pad(x, padding, mode), jnp.zeros(self.shape, _acc(grad_output).dtype))
+        return vjp(_acc(grad_output))[0]
+
+    lower(op.default)(forward)
+    lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default)(backward)
+
+
+for _op in (aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d):
+    _register_pad(_op, "reflect")
+for _op in (aten.replication_pad1d, aten.replication_pad2d, aten.replication_pad3d):
+    _register_pad(_op, "edge")
+
+
+# ============================================================================== pixel shuffling
+@lower(aten.pixel_shuffle.default)
+def pixel_shuffle(self, upscale_factor):
+    r = upscale_factor
+    *lead, c, h, w = self.shape
+    x = self.reshape(*lead, c // (r * r), r, r, h, w)
+    k = len(lead)
+    x = x.transpose(*range(k), k, k + 3, k + 1, k + 4, k + 2)
+    return x.reshape(*lead, c // (r * r), h * r, w * r)
+
+
+@lower(aten.pixel_unshuffle.default)
+def pixel_unshuffle(self, downscale_factor):
+    r = downscale_factor
+    *lead, c, h, w = self.shape
+    x = self.reshape(*lead, c, h // r, r, w // r, r)
+    k = len(lead)
+    x = x.transpose(*range(k), k, k + 2, k + 4, k + 1, k + 3)
+    return x.reshape(*lead, c * r * r, h // r, w // r)
+
+
+# ========================================================================================= pdist
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    i, j = np.triu_indices(n, k=1)
+    return i, j
+
+
+@lower(aten._pdist_forward.default)
+def _pdist_forward(self, p=2.0):
+    x = _acc(self)
+    i, j = _pairs(x.shape[0])
+    d = jnp.abs(x[i] - x[j])
+    safe_p = jnp.where((p == 0) | jnp.isinf(p), 1.0, p)
+    general = jnp.power(jnp.power(d, safe_p).sum(-1), 1 / safe_p)
+    return jnp.where(p == 0, (d != 0).sum(-1).astype(x.dtype), jnp.where(jnp.isinf(p), d.max(-1, initial=0), general))
+
+
+@lower(aten._pdist_backward.default)
+def _pdist_backward(grad, self, p, pdist):
+    x = _acc(self)
+    i, j = _pairs(x.shape[0])
+    diff = x[i] - x[j]
+    dist = _acc(pdist)[:, None]
+    g = _acc(grad)[:, None]
+    nz = dist != 0
+    safe = jnp.where(nz, dist, 1)
+    sign = jnp.sign(diff)
+    p_safe = jnp.where((p == 0) | jnp.isinf(p), 2.0, p)
+    general = diff * jnp.power(jnp.abs(diff), p_safe - 2) * g / jnp.power(safe, p_safe - 1)
+    one = sign * g
+    two = diff * g / safe
+    inf = sign * (jnp.abs(diff) == dist) * g
+    pair = jnp.where(p == 0, 0, jnp.where(p == 1, one, jnp.where(p == 2, two, jnp.where(jnp.isinf(p), inf, general))))
+    pair = jnp.where(nz | (p == 1), pair, 0)
+    out = jnp.zeros_like(x).at[i].add(pair).at[j].add(-pair)
+    return out

@@ -1,0 +1,168 @@
+"""Autograd and torch.optim on tpu, unchanged user code, compared step by step with CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import assert_same
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def data(n=12):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def test_autograd_grad_second_order():
+    c = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    t = c.detach().to("tpu").requires_grad_()
+    outs = []
+    for x in (c, t):
+        y = (x.sin() * x ** 3).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        outs.append((g.detach(), gg))
+    assert_same(outs[1][0], outs[0][0])
+    assert_same(outs[1][1], outs[0][1])
+
+
+def test_no_grad_detach_and_accumulation():
+    c = torch.randn(4, requires_grad=True)
+    t = c.detach().to("tpu").requires_grad_()
+    for x in (c, t):
+        with torch.no_grad():
+            y = x * 2
+        assert not y.requires_grad
+        assert not x.detach().requires_grad
+        for _ in range(3):  # gradients accumulate across backward calls
+            (x * x).sum().backward()
+    assert_same(t.grad, c.grad)
+
+
+def test_clip_grad_norm():
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    x, y = data()
+    norms = []
+    for m, dev in ((mc, "cpu"), (mt, "tpu")):
+        nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).mul(100).backward()
+        norms.append(nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+    assert_same(norms[1], norms[0], rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.grad, a.grad, rtol=RTOL, atol=ATOL)
+
+
+OPTIMIZERS = {
+    "SGD": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "Adam": dict(lr=0.01, amsgrad=True),
+    "AdamW": dict(lr=0.01, weight_decay=0.1),
+    "Adagrad": dict(lr=0.1),
+    "Adadelta": dict(lr=1.0),
+    "Adamax": dict(lr=0.01),
+    "ASGD": dict(lr=0.01),
+    "NAdam": dict(lr=0.01),
+    "RAdam": dict(lr=0.01),
+    "RMSprop": dict(lr=0.01, momentum=0.5, centered=True),
+    "Rprop": dict(lr=0.01),
+    "Adafactor": dict(lr=0.01),
+}
+
+
+def run_steps(model, opt, dev, steps=3, closure=False):
+    x, y = data()
+    x, y = x.to(dev), y.to(dev)
+    losses = []
+    for _ in range(steps):
+        def step_closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        if closure:
+            loss = opt.step(step_closure)
+        else:
+            loss = step_closure()
+            opt.step()
+        losses.append(loss.detach().to("cpu"))
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizers_match_cpu(name, foreach):
+    cls = getattr(torch.optim, name)
+    kw = dict(OPTIMIZERS[name])
+    if "foreach" in cls.__init__.__code__.co_varnames:
+        kw["foreach"] = foreach
+    elif foreach:
+        pytest.skip(f"{name} has no foreach path")
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    lc = run_steps(mc, cls(mc.parameters(), **kw), "cpu")
+    lt = run_steps(mt, cls(mt.parameters(), **kw), "tpu")
+    torch.testing.assert_close(lt, lc, rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_lbfgs_with_closure():
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    lc = run_steps(mc, torch.optim.LBFGS(mc.parameters(), lr=0.5, max_iter=4), "cpu", closure=True)
+    lt = run_steps(mt, torch.optim.LBFGS(mt.parameters(), lr=0.5, max_iter=4), "tpu", closure=True)
+    torch.testing.assert_close(lt, lc, rtol=1e-3, atol=1e-4)
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 4),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_lr_schedulers(name):
+    results = []
+    for dev in ("cpu", "tpu"):
+        m = mlp().to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        sched = SCHEDULERS[name](opt)
+        x, y = (v.to(dev) for v in data())
+        lrs = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            sched.step(loss) if name == "ReduceLROnPlateau" else sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        results.append((lrs, [p.detach().cpu() for p in m.parameters()]))
+    assert results[0][0] == pytest.approx(results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+def test_autocast_bf16_matches_cpu_autocast():
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    x, _ = data()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yc = mc(x)
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        yt = mt(x.to("tpu"))
+    assert yt.dtype == yc.dtype == torch.bfloat16
+    torch.testing.assert_close(yt.float().cpu(), yc.float(), rtol=2e-2, atol=2e-2)
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        assert mt(x.to("tpu")).float().softmax(-1).dtype == torch.float32
