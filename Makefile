@@ -24,7 +24,7 @@ opinfo: $(STAMP)
 	TORCH_TPU_OPINFO=all $(BIN)/python -m pytest tests/test_opinfo.py
 
 coverage: $(STAMP)
-	$(BIN)/python tools/opinfo_coverage.py --write README.md
+	$(BIN)/python tools/opinfo_coverage.py --write README.md --expect tests/opinfo_expected.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check torch_tpu tests tools examples

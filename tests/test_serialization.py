@@ -7,9 +7,8 @@ import io
 import pickle
 
 import torch
-from torch import nn
-
 from conftest import assert_same
+from torch import nn
 
 
 def roundtrip(obj, **load_kw):

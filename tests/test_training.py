@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import assert_same
+from torch import nn
 
 RTOL, ATOL = 1e-4, 1e-5
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import assert_same
 
 

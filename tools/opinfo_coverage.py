@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated OpInfo names")
     p.add_argument("--write", help="a Markdown file whose table to refresh")
     p.add_argument("--json", help="write per-op verdicts here")
+    p.add_argument("--expect", help="write the expectations file that tests/test_opinfo.py checks")
     p.add_argument("--failures", action="store_true", help="list failing ops")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
@@ -53,6 +54,15 @@ def main() -> None:
         for v in verdicts:
             if not v.skipped and not (v.forward and v.grad and v.no_fallback):
                 print(f"FAIL {v.name}: {v.error} fallbacks={','.join(v.fallbacks)}")
+    if a.expect:
+        expected = {
+            v.name: {"forward": v.forward, "grad": v.grad, "no_fallback": v.no_fallback}
+            for v in verdicts
+            if not v.skipped
+        }
+        with open(a.expect, "w") as f:
+            json.dump(expected, f, indent=0, sort_keys=True)
+            f.write("\n")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([v.__dict__ for v in verdicts], f, indent=1)

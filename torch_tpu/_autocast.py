@@ -31,7 +31,9 @@ FLOAT32 = (
     "binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp prod softmax log_softmax cumprod cumsum "
     "linalg_vector_norm norm sum cross_entropy_loss"
 ).split()
-PROMOTE = "cat stack index_copy addcdiv addcmul atan2 bilinear cross dot grid_sampler index_put scatter_add tensordot".split()
+PROMOTE = (
+    "cat stack index_copy addcdiv addcmul atan2 bilinear cross dot grid_sampler index_put scatter_add tensordot"
+).split()
 
 
 def _eligible(x: Any) -> bool:

@@ -212,4 +212,6 @@ def register() -> None:
 
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    _setup_privateuseone_for_python_backend("tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard())
+    _setup_privateuseone_for_python_backend(
+        "tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard()
+    )

@@ -22,7 +22,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch_tpu._storage import is_tpu, new_tensor, set_base, to_cpu, write
 from torch_tpu.runtime import metrics
 
-DK = torch._C.DispatchKey
 _guard = threading.local()
 _warned: set[str] = set()
 
@@ -105,8 +104,9 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     _check_devices(op, args, kwargs)
     if op.is_view:
         metrics.op_counts[str(op)] += 1
-        key = DK.Meta if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") else DK.CompositeExplicitAutograd
-        return op._op_dk(key, *args, **kwargs)
+        from torch_tpu._kernels import view_dispatch_key
+
+        return op._op_dk(view_dispatch_key(op), *args, **kwargs)
     decomp = _decompositions().get(op)
     active = getattr(_guard, "active", None)
     if active is None:

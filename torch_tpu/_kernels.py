@@ -112,10 +112,17 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------ views
+def view_dispatch_key(op: torch._ops.OpOverload) -> torch._C.DispatchKey:
+    """The key whose kernel computes a view's geometry without touching data."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+        return DK.Meta
+    return DK.CompositeExplicitAutograd
+
+
 def _view_kernel(op: torch._ops.OpOverload):
     """A view runs torch's own meta kernel on our tensor: exact sizes, strides and offset, and the
     result shares our storage (so it shares the jax array)."""
-    key = DK.Meta if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") else DK.CompositeExplicitAutograd
+    key = view_dispatch_key(op)
     name = str(op)
 
     def run(*args, **kwargs):

@@ -100,6 +100,10 @@ def _sample_call(op, sample, to_dev):
     return inp, args, kwargs, op(inp, *args, **kwargs)
 
 
+def _leaves(*trees: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(trees)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def _grads(out: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     flat, _ = tree_flatten(out)
     outs = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point]
@@ -119,6 +123,7 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
         return v
     torch_tpu.reset_metrics()
     try:
+        torch.manual_seed(0)  # the same samples whatever ran before
         samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples))
         for s in samples:
             try:
@@ -140,17 +145,16 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
         v.grad = v.forward
         return v
     try:
+        torch.manual_seed(0)
         samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=True), max_samples))
         for s in samples:
             try:
                 cin, cargs, ckw, cout = _sample_call(op, s, lambda x: x)
-                cleaves = [t for t in tree_flatten((cin, cargs, ckw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                cg = _grads(cout, cleaves)
+                cg = _grads(cout, _leaves(cin, cargs, ckw))
             except Exception:
                 continue
             tin, targs, tkw, tout = _sample_call(op, s, _to_tpu)
-            tleaves = [t for t in tree_flatten((tin, targs, tkw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            tg = _grads(tout, tleaves)
+            tg = _grads(tout, _leaves(tin, targs, tkw))
             if len(cg) != len(tg):
                 raise AssertionError("different number of gradients")
             for a, b in zip(cg, tg):
