@@ -31,18 +31,25 @@ _host.install()
 _autocast.install()
 
 from torch_tpu._device import platform  # noqa: E402
+from torch_tpu.runtime import cache as _cache  # noqa: E402
+from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
 from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 
 
+_cache.configure_persistent_cache()
+
+
 def sync() -> None:
-    """Waits for queued device work. In fused mode it is also the explicit trace boundary."""
+    """Runs what fused mode recorded (the explicit trace boundary) and waits for queued device work.
+    Never required: every host read is a sync point too."""
     _device.synchronize()
 
 
 __all__ = [
     "EagerMode",
+    "cache_stats",
     "get_eager_mode",
     "metrics",
     "metrics_report",

@@ -22,12 +22,13 @@ from torch_tpu._storage import (
     is_tpu,
     new_tensor,
     read,
+    read_array,
     set_base,
     to_cpu,
     to_numpy,
     write,
 )
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import fused, metrics
 
 aten = torch.ops.aten
 DK = torch._C.DispatchKey
@@ -108,7 +109,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         raise device_mismatch("aten.equal", b.device)
     if a.shape != b.shape:
         return False
-    return bool(np.asarray(jnp.array_equal(read(a), read(b))))
+    return bool(np.asarray(jnp.array_equal(read_array(a), read_array(b))))
 
 
 # ------------------------------------------------------------------------------------ views
@@ -142,7 +143,7 @@ def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == t.dtype:
         return t
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").view(dtype)
-    src = read(t)
+    src = read_array(t)
     a, b = _dtypes.to_jax(t.dtype), _dtypes.to_jax(dtype)
     if a.itemsize == b.itemsize:
         out = jax.lax.bitcast_convert_type(src, b)
@@ -162,11 +163,11 @@ def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
         return t
     st = t.untyped_storage()
     n = math.prod(shape)
-    old = base_array(st).reshape(-1)
+    old = fused.concrete(base_array(st)).reshape(-1)
     if t.storage_offset() == 0 and n <= old.size and t.is_contiguous():
         value = old[:n].reshape(shape)  # shrinking keeps the leading elements, as on CPU
     else:
-        flat = read(t).reshape(-1)
+        flat = read_array(t).reshape(-1)
         value = jnp.zeros(n, flat.dtype).at[: min(n, flat.size)].set(flat[: min(n, flat.size)]).reshape(shape)
     set_base(t, shape, t.dtype, value)
     return t

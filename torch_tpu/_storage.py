@@ -22,6 +22,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
+from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
 
 DK = torch._C.DispatchKey
@@ -176,6 +177,8 @@ def base_array(st: Any) -> Any:
     a = st._jx
     if a is None:
         a = st._jx = execute(_zeros_program(st._shape, _dtypes.to_jax(st._dtype)))
+    elif type(a) is fused.Lazy and a.value is not None:
+        a = st._jx = a.value  # computed by a fused trace: drop the placeholder
     return a
 
 
@@ -217,9 +220,15 @@ def set_base(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, value:
     st._shape, st._dtype, st._jx = tuple(shape), dtype, value
 
 
+def read_array(t: torch.Tensor) -> Any:
+    """Like :func:`read`, but a concrete jax array: runs a pending fused trace if needed.
+    For kernels that compute outside the executor (host reads, data-dependent shapes)."""
+    return fused.concrete(read(t))
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """Copies a tpu tensor to the host (a sync point)."""
-    return np.asarray(read(t))
+    return np.asarray(read_array(t))
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:

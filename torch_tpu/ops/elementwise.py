@@ -872,3 +872,125 @@ def log_sigmoid_backward(grad_output, self, buffer):
     neg = x < 0
     z = jnp.exp(-jnp.abs(x))
     return g * (jnp.where(neg, 1.0, 0.0) - jnp.where(neg, 1.0, -1.0) * (z / (1 + z)))
+
+
+# --------------------------------------------------------------------------- orthogonal polynomials
+def _poly_args(x, n):
+    """x and n broadcast in the common float dtype, with n truncated to an integer as CPU does."""
+    xf, nf = _common(x, n, floating=True)
+    xf, nf = jnp.broadcast_arrays(xf, nf)
+    return xf, jnp.trunc(nf)
+
+
+def _recurrence(p0, q0, step, k0: int, last):
+    """Three-term recurrence: for k = k0 .. ``last`` (per element), (p, q) <- (q, step(k, p, q)).
+    Runs to the largest ``last`` with a lax.while_loop; elements whose ``last`` is passed stay put."""
+    k_max = jnp.max(last, initial=k0 - 1)
+
+    def cond(state):
+        return state[0] <= k_max
+
+    def body(state):
+        k, p, q = state
+        r = step(k.astype(q.dtype), p, q)
+        active = k <= last
+        return k + 1, jnp.where(active, q, p), jnp.where(active, r, q)
+
+    _, _, q = lax.while_loop(cond, body, (jnp.asarray(k0, jnp.int64), p0, q0))
+    return q
+
+
+def _chebyshev(kind: str, x, n, shifted: bool = False):
+    """Chebyshev polynomials of the four kinds by recurrence, with CPU's closed forms at |x| = 1 and
+    for large n inside (-1, 1). ``shifted`` evaluates at 2x - 1, testing the ends on x itself."""
+    x, n = _poly_args(x, n)
+    one = jnp.ones_like(x)
+    y = x + x - 1 if shifted else x
+    at_pos = (x == 1) if shifted else (x == 1)
+    at_neg = (x == 0) if shifted else (x == -1)
+    odd = jnp.fmod(n, 2) != 0
+    q1 = {"t": y, "u": y + y, "v": y + y - 1, "w": y + y + 1}[kind]
+    body = _recurrence(one, q1, lambda k, p, q: (y + y) * q - p, 2, n.astype(jnp.int64))
+    body = jnp.where(n == 0, one, body)
+    theta = jnp.arccos(jnp.clip(y, -1, 1))
+    inside = jnp.abs(y) < 1
+    sign = jnp.where(odd, -one, one)
+    if kind == "t":
+        ends = jnp.where(at_pos, one, sign)
+        closed = jnp.cos(n * theta)
+        big = 6
+    elif kind == "u":
+        ends = jnp.where(at_pos, n + 1, sign * (n + 1))
+        s = jnp.sin(theta)
+        closed = jnp.where(s != 0, jnp.sin((n + 1) * theta) / jnp.where(s != 0, s, 1),
+                           (n + 1) * jnp.cos((n + 1) * theta) / y)
+        big = 8
+    elif kind == "v":
+        ends = jnp.where(at_pos, one, sign * (n + n + 1))
+        c = jnp.cos(theta / 2)
+        closed = jnp.where(jnp.sin(theta / 2) != 1, jnp.cos((n + 0.5) * theta) / c, sign * (n + n + 1))
+        big = 8
+    else:
+        ends = jnp.where(at_pos, n + n + 1, sign)
+        s = jnp.sin(theta / 2)
+        closed = jnp.where(jnp.cos(theta / 2) != 1, jnp.sin((n + 0.5) * theta) / jnp.where(s != 0, s, 1),
+                           jnp.where(y > 0, n + n + 1, sign))
+        big = 8
+    out = jnp.where((n > big) & inside, closed, body)
+    out = jnp.where(at_pos | at_neg, ends, out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _poly_lowering(fn):
+    def lowering(x, n):
+        return fn(x, n)
+
+    lowering.__doc__ = fn.__doc__
+    return lowering
+
+
+for _k_name in "tuvw":
+    lower(getattr(aten, f"special_chebyshev_polynomial_{_k_name}"))(
+        _poly_lowering(lambda x, n, _k=_k_name: _chebyshev(_k, x, n)))
+    lower(getattr(aten, f"special_shifted_chebyshev_polynomial_{_k_name}"))(
+        _poly_lowering(lambda x, n, _k=_k_name: _chebyshev(_k, x, n, shifted=True)))
+
+
+def _simple_poly(x, n, q1, step, k0: int, last_offset: int):
+    """Polynomials without closed forms: 1 at n = 0, ``q1`` at n = 1, then the recurrence."""
+    one = jnp.ones_like(x)
+    out = _recurrence(one, q1, step, k0, n.astype(jnp.int64) + last_offset)
+    out = jnp.where(n == 0, one, out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+@lower(aten.special_hermite_polynomial_h)
+def hermite_polynomial_h(x, n):
+    """Physicists' Hermite: H_{k+1} = 2x H_k - 2k H_{k-1}."""
+    x, n = _poly_args(x, n)
+    return _simple_poly(x, n, x + x, lambda k, p, q: (x + x) * q - 2 * (k - 1) * p, 2, 0)
+
+
+@lower(aten.special_hermite_polynomial_he)
+def hermite_polynomial_he(x, n):
+    """Probabilists' Hermite: He_{k+1} = x He_k - k He_{k-1}."""
+    x, n = _poly_args(x, n)
+    return _simple_poly(x, n, x, lambda k, p, q: x * q - (k - 1) * p, 2, 0)
+
+
+@lower(aten.special_laguerre_polynomial_l)
+def laguerre_polynomial_l(x, n):
+    """L_{k+1} = ((2k + 1 - x) L_k - k L_{k-1}) / (k + 1); 1 at x = 0."""
+    x, n = _poly_args(x, n)
+    out = _simple_poly(x, n, 1 - x, lambda k, p, q: (((k - 1) * 2 + (1 - x)) * q - (k - 1) * p) / k, 2, 0)
+    return jnp.where((x == 0) & (n >= 0), jnp.ones_like(x), out)
+
+
+@lower(aten.special_legendre_polynomial_p)
+def legendre_polynomial_p(x, n):
+    """P_{k+1} = ((2k + 1) x P_k - k P_{k-1}) / (k + 1); +-1 at |x| = 1."""
+    x, n = _poly_args(x, n)
+    out = _simple_poly(x, n, x, lambda k, p, q: ((2 * k - 1) * x * q - (k - 1) * p) / k, 2, 0)
+    odd = jnp.fmod(n, 2) != 0
+    ends = jnp.where((x > 0) | ~odd, 1.0, -1.0).astype(x.dtype)
+    return jnp.where((jnp.abs(x) == 1) & (n >= 0), ends, out)

@@ -1,5 +1,139 @@
-"""Lowerings: factories ops."""
+"""Lowerings: factories (arange, linspace, logspace, eye, tril/triu_indices).
+
+``full``/``zeros``/``ones``/``scalar_tensor`` reach the backend as ``empty`` + ``fill_``, which is
+already one program, so they need nothing here. ``empty_like`` stays uninitialised (an unset
+storage).
+
+Factories have no tensor argument, so their ``out=`` overloads are not twins the dispatcher can
+derive; small hand kernels compute the functional result and write it into ``out``.
+"""
 
 from __future__ import annotations
 
-from torch_tpu.ops._registry import aten, lower  # noqa: F401
+import math
+
+import jax.numpy as jnp
+import torch
+
+from torch_tpu._dispatch import kernel
+from torch_tpu.ops._registry import aten, lower
+
+
+def _all_int(*xs) -> bool:
+    return all(isinstance(x, int | bool) for x in xs)
+
+
+def _check_arange(*args, **kwargs):
+    start, end, step = _arange_args(*args)
+    if step == 0:
+        raise RuntimeError("arange: step must be nonzero")
+    if not all(math.isfinite(float(x)) for x in (start, end)):
+        raise RuntimeError(f"arange: unsupported range: {start} -> {end}")
+    if (step > 0 and end < start) or (step < 0 and end > start):
+        raise RuntimeError("arange: upper bound and larger bound inconsistent with step sign")
+
+
+def _arange_args(start, end=None, step=1, **_):
+    if end is None:
+        start, end = 0, start
+    return start, end, step
+
+
+@lower(aten.arange.default, aten.arange.start, aten.arange.start_step, static_scalars=True, check=_check_arange)
+def arange(start, end=None, step=1, dtype=None):
+    """``start + i * step``, computed in int64 for integer arguments and float64 otherwise (CPU
+    also accumulates in double); the dispatcher casts to the dtype torch picked."""
+    start, end, step = _arange_args(start, end, step)
+    if _all_int(start, end, step):
+        n = max(0, -((start - end) // step))
+        return start + jnp.arange(n, dtype=jnp.int64) * step
+    n = max(0, math.ceil((end - start) / step))
+    return start + jnp.arange(n, dtype=jnp.float64) * step
+
+
+def _linspace_values(start, end, steps: int):
+    """CPU's formula: the first half counts up from ``start``, the second down from ``end``."""
+    start = jnp.asarray(start, jnp.float64)
+    end = jnp.asarray(end, jnp.float64)
+    if steps == 1:
+        return start.reshape(1)
+    i = jnp.arange(steps, dtype=jnp.float64)
+    step = (end - start) / (steps - 1)
+    return jnp.where(i < steps // 2, start + i * step, end - (steps - 1 - i) * step)
+
+
+def _check_steps(start, end, steps, *args, **kwargs):
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
+    for t in (start, end):
+        if isinstance(t, torch.Tensor) and t.dim() != 0:
+            raise RuntimeError("linspace only supports 0-dimensional start and end tensors, but got tensor(s) "
+                               f"with {t.dim()} dimension(s).")
+
+
+@lower(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor,
+       check=_check_steps)
+def linspace(start, end, steps, dtype=None):
+    v = _linspace_values(start, end, steps)
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        return jnp.trunc(v)  # integer results truncate toward zero, as CPU's cast
+    return v
+
+
+@lower(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
+       check=_check_steps)
+def logspace(start, end, steps, base=10.0, dtype=None):
+    return jnp.power(jnp.asarray(base, jnp.float64), _linspace_values(start, end, steps))
+
+
+def _check_eye(n, m=None, **kwargs):
+    for v in (n, m):
+        if v is not None and v < 0:
+            raise RuntimeError(f"n must be greater or equal to 0, got {v}")
+
+
+@lower(aten.eye.default, aten.eye.m, check=_check_eye)
+def eye(n, m=None, dtype=None):
+    return jnp.eye(n, n if m is None else m)
+
+
+def _tri_indices(which, row: int, col: int, offset: int):
+    if row == 0 or col == 0:
+        return jnp.zeros((2, 0), jnp.int64)
+    r, c = which(row, offset, col)
+    return jnp.stack([r, c]).astype(jnp.int64)
+
+
+@lower(aten.tril_indices)
+def tril_indices(row, col, offset=0, dtype=None):
+    return _tri_indices(jnp.tril_indices, row, col, offset)
+
+
+@lower(aten.triu_indices)
+def triu_indices(row, col, offset=0, dtype=None):
+    return _tri_indices(jnp.triu_indices, row, col, offset)
+
+
+# ---------------------------------------------------------------------------- out= kernels
+def _write_out(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if tuple(out.shape) != tuple(value.shape):
+        out.resize_(value.shape)
+    out.copy_(value)
+    return out
+
+
+def _out_kernel(op: torch._ops.OpOverload, functional, n_args: int) -> None:
+    """``op(*args, out=t)`` runs ``functional`` on tpu with ``out``'s dtype and writes into ``t``."""
+
+    def run(*args, out: torch.Tensor, **kwargs):
+        return _write_out(out, functional(*args[:n_args], dtype=out.dtype, device=out.device))
+
+    kernel(op)(run)
+
+
+_out_kernel(aten.arange.out, aten.arange.default, 1)
+_out_kernel(aten.arange.start_out, aten.arange.start_step, 3)
+_out_kernel(aten.linspace.out, aten.linspace.default, 3)
+_out_kernel(aten.logspace.out, aten.logspace.default, 4)
+_out_kernel(aten.eye.out, aten.eye.default, 1)
+_out_kernel(aten.eye.m_out, aten.eye.m, 2)

@@ -92,17 +92,18 @@ def _split(bound: dict) -> tuple[dict, dict]:
     return static, dynamic
 
 
-def jax_kernel(op: torch._ops.OpOverload, fn: Callable) -> None:
+def jax_kernel(op: torch._ops.OpOverload, fn: Callable, meta: Callable | None = None) -> None:
     """Registers ``fn`` (schema-named arguments, jax arrays in, arrays out) as ``op``'s kernel.
 
     Unlike a lowering, results may be undefined: ``fn`` returns only the outputs whose meta result
-    is a tensor (the ones ``output_mask`` asked for), and the rest come back as ``None``.
+    is a tensor (the ones ``output_mask`` asked for), and the rest come back as ``None``. ``meta``
+    stands in for torch's meta kernel where it has none (same arguments, returns meta tensors).
     """
     name = str(op)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         metrics.op_counts[name] += 1
-        metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+        metas = (meta or op)(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
         metas = metas if isinstance(metas, (tuple, list)) else (metas,)
         static, dynamic = _split(_bind(op, args, kwargs))
         defined = [m for m in metas if m is not None]
@@ -430,12 +431,8 @@ def _avg_pool(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad, 
     xa = _acc(x)
     lead = x.ndim - n
     sizes = x.shape[lead:]
-    hi = [max(0, (o - 1) * ss + kk - L - pp) for o, ss, kk, L, pp in zip(out, s, k, sizes, p)]
-    summed = lax.reduce_window(
-        xa, jnp.asarray(0, xa.dtype), lax.add, (1,) * lead + tuple(k), (1,) * lead + tuple(s),
-        [(0, 0)] * lead + [(pp, h) for pp, h in zip(p, hi)],
-    )
-    summed = summed[(slice(None),) * lead + tuple(slice(0, o) for o in out)]
+    values, _ = _patches(xa, n, k, s, p, [1] * n, out, 0)
+    summed = values.sum(-1)
     if divisor_override:
         return summed / divisor_override
     div = np.ones((), np.int64)
@@ -505,9 +502,10 @@ def _adaptive_windows(x, output_size, fill):
     # x: (..., O1, K1, O2, K2, ...) -> (..., O1, O2, ..., K1*K2*...)
     perm = list(range(lead)) + [lead + 2 * i for i in range(n)] + [lead + 2 * i + 1 for i in range(n)]
     x = x.transpose(perm)
-    x = x.reshape(x.shape[: lead + n] + (-1,))
+    K = math.prod(flat.shape[1::2])
+    x = x.reshape(x.shape[: lead + n] + (K,))
     fperm = [2 * i for i in range(n)] + [2 * i + 1 for i in range(n)]
-    flat = flat.transpose(fperm).reshape(tuple(output_size) + (-1,))
+    flat = flat.transpose(fperm).reshape(tuple(output_size) + (K,))
     valid_all = valid_all.transpose(fperm).reshape(flat.shape)
     return jnp.where(valid_all, x, jnp.asarray(fill, x.dtype)), flat, valid_all
 
@@ -772,10 +770,19 @@ def multilabel_margin_loss_forward(self, target, reduction):
     return _multilabel_margin(self, target, reduction)
 
 
-@lower(aten.multilabel_margin_loss_backward.default)
-def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
+def _like_self(grad_output, self, *args, **kwargs):
+    """The meta result of a loss backward that CPU alone implements: a gradient shaped as ``self``."""
+    if grad_output.device != self.device or grad_output.dtype != self.dtype:
+        raise RuntimeError(f"expected grad_output of dtype {self.dtype}, got {grad_output.dtype}")
+    return torch.empty_like(self)
+
+
+def _multilabel_margin_backward(grad_output, self, target, reduction, is_target):
     _, vjp = jax.vjp(lambda x: _multilabel_margin(x, target, reduction)[0], _acc(self))
     return vjp(_acc(grad_output))[0]
+
+
+jax_kernel(aten.multilabel_margin_loss_backward.default, _multilabel_margin_backward, meta=_like_self)
 
 
 def _check_multi_margin(self, target, *rest, **kw):
@@ -807,10 +814,12 @@ def multi_margin_loss(self, target, p=1, margin=1, weight=None, reduction=1):
     return _multi_margin(self, target, p, margin, weight, reduction)
 
 
-@lower(aten.multi_margin_loss_backward.default, static_scalars=True)
-def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None, reduction=1):
+def _multi_margin_backward(grad_output, self, target, p, margin, weight=None, reduction=1):
     _, vjp = jax.vjp(lambda x: _multi_margin(x, target, p, margin, weight, reduction), _acc(self))
     return vjp(_acc(grad_output))[0]
+
+
+jax_kernel(aten.multi_margin_loss_backward.default, _multi_margin_backward, meta=_like_self)
 
 
 # =================================================================================== embeddings

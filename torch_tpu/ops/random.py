@@ -1,5 +1,285 @@
-"""Lowerings: random ops."""
+"""Lowerings: random sampling. Each gets a PRNG key derived from ``torch.manual_seed`` and a
+counter (``torch_tpu/_rng.py``), so a seed gives the same numbers every run; they are not CPU's
+numbers (a different generator), only the same distributions.
+
+Numbers are drawn in float32 at least (float64 for float64 tensors) and cast, so half-precision
+tensors get properly rounded samples. Argument checks raise CPU's errors before any drawing.
+"""
 
 from __future__ import annotations
 
-from torch_tpu.ops._registry import aten, lower  # noqa: F401
+import jax
+import jax.numpy as jnp
+import torch
+
+from torch_tpu import _dtypes
+from torch_tpu._storage import is_tpu, read
+from torch_tpu.ops._registry import aten, lower
+from torch_tpu.runtime.executor import Program, execute
+
+
+def _float(dtype) -> jnp.dtype:
+    """The dtype to draw in for a result of ``dtype``."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _uniform01(key, shape, dtype):
+    """Uniform on the open interval (0, 1): safe under log and tan."""
+    dt = _float(dtype)
+    return jax.random.uniform(key, shape, dt, minval=jnp.finfo(dt).tiny, maxval=1.0)
+
+
+# ----------------------------------------------------------------------------------- checks
+def _checker(op: str, test, message: str):
+    """A check calling ``test(*args)`` on the op's Python arguments; raises CPU's RuntimeError."""
+
+    def check(*args, **kwargs):
+        bad = test(*args, **kwargs)
+        if bad:
+            raise RuntimeError(f"{op} {message.format(*bad)}")
+
+    return check
+
+
+def _uniform_bad(self, *args, **kw):
+    lo = kw.get("from", args[0] if args else 0.0)
+    hi = kw.get("to", args[1] if len(args) > 1 else 1.0)
+    return (lo, hi) if lo > hi else None
+
+
+def _normal_bad(*args, **kwargs):
+    std = kwargs.get("std", args[2] if len(args) > 2 else 1.0)
+    return (std,) if isinstance(std, float | int) and std < 0 else None
+
+
+# ---------------------------------------------------------------------------- distributions
+_UNIFORM_MSG = "expects to return a [from, to) range, but found from={} > to={}"
+
+
+@lower(aten.uniform, random=True, check=_checker("uniform_", _uniform_bad, _UNIFORM_MSG))
+def uniform(key, self, *args, **kw):
+    """Uniform on [from, to). (``from`` is a Python keyword: read by position or from ``kw``.)"""
+    lo = kw.get("from", args[0] if args else 0.0)
+    hi = kw.get("to", args[1] if len(args) > 1 else 1.0)
+    dt = _float(self.dtype)
+    u = jax.random.uniform(key, self.shape, dt)
+    return (u * (jnp.asarray(hi, dt) - lo) + lo).astype(self.dtype)
+
+
+@lower(aten.normal_, random=True, check=_checker("normal_", _normal_bad, "expects std >= 0.0, but found std {}"))
+def normal_(key, self, mean=0.0, std=1.0):
+    dt = _float(self.dtype)
+    return (jax.random.normal(key, self.shape, dt) * std + mean).astype(self.dtype)
+
+
+def _normal_std_check(mean, std, *args, **kwargs):
+    if isinstance(std, float | int) and std < 0:
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
+    if isinstance(std, torch.Tensor) and std.numel() and is_tpu(std):
+        if bool(execute(_ANY_NEGATIVE, read(std))):
+            raise RuntimeError("normal expects all elements of std >= 0.0")
+
+
+_ANY_NEGATIVE = Program("any negative", lambda a: jnp.any(a < 0))
+
+
+@lower(
+    aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor, random=True, check=_normal_std_check
+)
+def normal(key, mean, std=1.0):
+    shape = jnp.broadcast_shapes(jnp.shape(mean), jnp.shape(std))
+    dt = _float(jnp.result_type(mean, std))
+    return jax.random.normal(key, shape, dt) * std + mean
+
+
+@lower(aten.normal.float_float, random=True, check=_normal_std_check)
+def normal_float_float(key, mean, std, size, dtype=None):
+    dt = jnp.float64 if dtype == torch.float64 else jnp.float32
+    return jax.random.normal(key, tuple(size), dt) * std + mean
+
+
+def _bernoulli_p_check(self, p=0.5, **kwargs):
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+
+
+@lower(aten.bernoulli.default, aten.bernoulli.Tensor, random=True)
+def bernoulli(key, self, p=None):
+    prob = self if p is None else p
+    dt = _float(jnp.result_type(prob))
+    u = jax.random.uniform(key, self.shape, dt)
+    return (u < prob.astype(dt)).astype(self.dtype)
+
+
+@lower(aten.bernoulli.p, aten.bernoulli_.float, random=True, check=_bernoulli_p_check)
+def bernoulli_p(key, self, p=0.5):
+    u = jax.random.uniform(key, self.shape, _float(self.dtype))
+    return (u < p).astype(self.dtype)
+
+
+def _exponential_check(self, lambd=1.0, **kwargs):
+    if not lambd > 0:
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+
+
+@lower(aten.exponential, random=True, check=_exponential_check)
+def exponential(key, self, lambd=1.0):
+    return -jnp.log(_uniform01(key, self.shape, self.dtype)) / lambd
+
+
+def _geometric_check(self, p, **kwargs):
+    if not 0 < p < 1:
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+
+
+@lower(aten.geometric, random=True, check=_geometric_check)
+def geometric(key, self, p):
+    """Trials up to the first success: ceil(log(u) / log(1 - p)), at least 1."""
+    u = _uniform01(key, self.shape, self.dtype)
+    return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1)
+
+
+def _log_normal_check(self, mean=1.0, std=2.0, **kwargs):
+    if not std > 0:
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+
+
+@lower(aten.log_normal, random=True, check=_log_normal_check)
+def log_normal(key, self, mean=1.0, std=2.0):
+    return jnp.exp(jax.random.normal(key, self.shape, _float(self.dtype)) * std + mean)
+
+
+def _cauchy_check(self, median=0.0, sigma=1.0, **kwargs):
+    if not sigma > 0:
+        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={sigma}")
+
+
+@lower(aten.cauchy, random=True, check=_cauchy_check)
+def cauchy(key, self, median=0.0, sigma=1.0):
+    u = _uniform01(key, self.shape, self.dtype)
+    return median + sigma * jnp.tan(jnp.pi * (u - 0.5))
+
+
+# ---------------------------------------------------------------------------------- random_
+_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def _top(dtype: torch.dtype) -> int:
+    """The exclusive upper bound of ``random_`` without ``to``: every integer a float type holds
+    exactly (up to 2**digits), or the type's largest value for integer types (which is itself left
+    out so the bound fits in int64)."""
+    if dtype == torch.bool:
+        return 2
+    if dtype.is_floating_point:
+        return 2 ** _DIGITS[dtype] + 1
+    return torch.iinfo(dtype).max
+
+
+def _randint(key, shape, low: int, high: int, jdt):
+    return jax.random.randint(key, shape, low, high, dtype=jnp.int64).astype(jdt)
+
+
+def _check_range(low: int, high: int) -> None:
+    if low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+
+
+@lower(aten.random.default, random=True)
+def random(key, self):
+    return _randint(key, self.shape, 0, _top(_dtypes.to_torch(self.dtype)), self.dtype)
+
+
+@lower(aten.random.to, random=True, check=lambda self, to, **kw: _check_range(0, to))
+def random_to(key, self, to):
+    return _randint(key, self.shape, 0, to, self.dtype)
+
+
+def _check_from(self, *args, **kw):
+    low = kw.get("from", args[0] if args else 0)
+    high = kw.get("to", args[1] if len(args) > 1 else None)
+    _check_range(low, _top(self.dtype) if high is None else high)
+
+
+@lower(getattr(aten.random, "from"), random=True, check=_check_from)
+def random_from(key, self, *args, **kw):
+    """[from, to); ``to=None`` means up to the type's largest value. (``from`` is a Python
+    keyword, so the arguments are read by position or from ``kw``.)"""
+    low = kw.get("from", args[0] if args else 0)
+    high = kw.get("to", args[1] if len(args) > 1 else None)
+    high = _top(_dtypes.to_torch(self.dtype)) if high is None else high
+    return _randint(key, self.shape, low, high, self.dtype)
+
+
+# -------------------------------------------------------------------- permutations, sampling
+@lower(aten.randperm.default, aten.randperm.generator, random=True, check=lambda n, **kw: _randperm_check(n))
+def randperm(key, n, dtype=None):
+    return jax.random.permutation(key, n)
+
+
+def _randperm_check(n: int) -> None:
+    if n < 0:
+        raise RuntimeError(f"randperm: n must be non-negative, got {n}")
+
+
+_MULTINOMIAL_STATS = Program(
+    "multinomial check",
+    lambda p: (
+        jnp.all(jnp.isfinite(p)) & jnp.all(p >= 0),
+        jnp.min(jnp.sum(p, axis=-1)),
+        jnp.min(jnp.sum(p > 0, axis=-1)),
+    ),
+)
+
+
+def _multinomial_check(self, num_samples, replacement=False, **kwargs):
+    if self.dim() not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    if not self.dtype.is_floating_point:
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {self.dtype}")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > self.shape[-1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if self.numel() == 0 or not is_tpu(self):
+        return
+    ok, total, nonzero = execute(_MULTINOMIAL_STATS, read(self))
+    if not bool(ok):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if not float(total) > 0:
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    if not replacement and int(nonzero) < num_samples:
+        raise RuntimeError(
+            "invalid multinomial distribution (with replacement=False, not enough non-negative category to sample)"
+        )
+
+
+@lower(aten.multinomial, random=True, check=_multinomial_check)
+def multinomial(key, self, num_samples, replacement=False):
+    """With replacement: independent categorical draws. Without: the Gumbel top-k trick, which
+    samples categories in the same order-weighted way as sequential draws."""
+    p = self.astype(jnp.float64 if self.dtype == jnp.float64 else jnp.float32)
+    logits = jnp.where(p > 0, jnp.log(p), -jnp.inf)
+    if replacement:
+        draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples,) + logits.shape[:-1])
+        return jnp.moveaxis(draws, 0, -1)
+    g = jax.random.gumbel(key, logits.shape, logits.dtype)
+    return jax.lax.top_k(logits + g, num_samples)[1]
+
+
+# --------------------------------------------------------------------------------- dropout
+@lower(aten.native_dropout, random=True)
+def native_dropout(key, input, p, train):
+    """Keeps each element with probability 1 - p and scales kept ones by 1 / (1 - p), as CPU."""
+    if train is False:
+        return input, jnp.ones(input.shape, bool)
+    keep = 1.0 - p
+    mask = jax.random.uniform(key, input.shape, _float(input.dtype)) < keep
+    scale = jnp.where(keep == 0, 0.0, 1.0 / jnp.where(keep == 0, 1.0, keep))
+    out = input * mask.astype(input.dtype) * scale.astype(input.dtype)
+    return out, mask
+
+
+@lower(aten.native_dropout_backward)
+def native_dropout_backward(grad_output, mask, scale):
+    return grad_output * mask.astype(grad_output.dtype) * jnp.asarray(scale).astype(grad_output.dtype)
+

@@ -6,21 +6,23 @@ executor decides how a program runs; it never knows what the program means.
 
 * ``DEBUG``: jit, run, and wait for the result, so a failure surfaces at the op that caused it.
 * ``STRICT`` (default): jit and run asynchronously; XLA's queue overlaps host and device.
-* ``FUSED``: deferred into one XLA program per sync point (the fused-mode issue; not built yet).
+* ``FUSED``: record; at a sync point the recorded programs run as one XLA program
+  (:mod:`torch_tpu.runtime.fused`).
+
+The mode is process-wide, not per thread: autograd runs backward on its own thread.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import fused, metrics
 
 
 class EagerMode(enum.Enum):
@@ -36,32 +38,17 @@ def _mode_from_env() -> EagerMode:
         return EagerMode.DEBUG
     name = os.environ.get("TORCH_TPU_EAGER_MODE", "strict").lower()
     try:
-        return _check_mode(EagerMode(name))
+        return EagerMode(name)
     except ValueError:
         raise ValueError(f"TORCH_TPU_EAGER_MODE={name!r}: expected one of debug, strict, fused") from None
 
 
-def _check_mode(mode: EagerMode) -> EagerMode:
-    if mode is EagerMode.FUSED:
-        raise NotImplementedError(
-            "torch_tpu: EagerMode.FUSED (deferred execution into one XLA program) is not built yet; "
-            "use EagerMode.STRICT or EagerMode.DEBUG"
-        )
-    return mode
-
-
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.mode = _DEFAULT_MODE
-
-
-_DEFAULT_MODE = _mode_from_env()
-_state = _State()
+_mode = _mode_from_env()
 
 
 def get_eager_mode() -> EagerMode:
-    """The mode in force on this thread."""
-    return _state.mode
+    """The mode in force."""
+    return _mode
 
 
 class _ModeSetter:
@@ -78,16 +65,15 @@ class _ModeSetter:
 
 
 def set_eager_mode(mode: EagerMode | str) -> _ModeSetter:
-    """Switches the eager mode for the whole process (autograd's backward runs on other threads).
+    """Switches the eager mode, after running whatever the old mode had queued.
 
     Usable plainly, or as ``with torch_tpu.set_eager_mode(EagerMode.DEBUG): ...``.
     """
-    global _DEFAULT_MODE
-    mode = _check_mode(EagerMode(mode) if isinstance(mode, str) else mode)
-    previous = _state.mode
-    synchronize()
-    _DEFAULT_MODE = mode
-    _state.mode = mode
+    global _mode
+    mode = EagerMode(mode) if isinstance(mode, str) else mode
+    previous = _mode
+    fused.flush()
+    _mode = mode
     return _ModeSetter(previous)
 
 
@@ -95,13 +81,17 @@ class Program:
     """A pure function of jax arrays, compiled by XLA the first time it runs.
 
     ``name`` is what errors and metrics show: the ATen op and the input signature.
+    ``multi``: the function returns a tuple of arrays. ``avals``: the outputs' shapes and dtypes,
+    when known up front; fused mode otherwise works them out once with ``jax.eval_shape``.
     """
 
-    __slots__ = ("name", "fn", "_jitted")
+    __slots__ = ("name", "fn", "multi", "avals", "_jitted")
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None) -> None:
         self.name = name
         self.fn = fn
+        self.multi = multi
+        self.avals = avals
         self._jitted: Callable[..., Any] | None = None
 
     def _compile_and_run(self, *inputs: Any) -> Any:
@@ -117,12 +107,19 @@ class Program:
             return self._compile_and_run(*inputs)
         return jitted(*inputs)
 
+    def __repr__(self) -> str:
+        return f"Program({self.name})"
+
 
 def execute(program: Program, *inputs: Any) -> Any:
-    """Runs ``program`` under the current mode and returns its jax outputs."""
+    """Runs ``program`` under the current mode and returns its jax outputs (or placeholders)."""
+    if _mode is EagerMode.FUSED:
+        return fused.record(program, inputs)
     try:
+        if any(type(x) is fused.Lazy for x in inputs):
+            inputs = tuple(fused.concrete(x) for x in inputs)
         out = program(*inputs)
-        if _state.mode is EagerMode.DEBUG:
+        if _mode is EagerMode.DEBUG:
             jax.block_until_ready(out)
     except Exception as e:  # a lowering or runtime failure: name the op, never a bare jax trace
         raise RuntimeError(f"tpu: {program.name} failed: {type(e).__name__}: {e}") from e
@@ -130,10 +127,11 @@ def execute(program: Program, *inputs: Any) -> Any:
 
 
 def synchronize() -> None:
-    """Waits until every queued device computation is done (``torch.tpu.synchronize``)."""
+    """Runs anything recorded and waits until every queued device computation is done."""
+    fused.flush()
     for d in jax.local_devices():
         try:
             d.synchronize_all_activity()
-        except AttributeError:  # older jaxlib: fall back to an effects barrier
+        except AttributeError:  # older jaxlib
             jax.effects_barrier()
             return

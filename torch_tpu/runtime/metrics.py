@@ -54,6 +54,15 @@ def metrics_report(top: int = 15) -> str:
     if decomposition_counts:
         lines.append(f"decomposed ops: {sum(decomposition_counts.values())}")
         lines += [f"  {n:>8}  {name}" for name, n in decomposition_counts.most_common(top)]
+    from torch_tpu.runtime import cache
+
+    s = cache.cache_stats()
+    lines.append(
+        f"fused programs: {s['requests']} runs, {s['hits']} hits, {s['misses']} compiles in {s['compile_seconds']:.2f} s"
+    )
+    if cache.recompiles:
+        lines.append(f"recompilations: {len(cache.recompiles)}")
+        lines += [f"  {r.site}: {r.reason}" for r in cache.recompiles[-top:]]
     if fallback_counts:
         lines.append(f"CPU fallbacks: {sum(fallback_counts.values())}")
         lines += [f"  {n:>8}  {name}" for name, n in fallback_counts.most_common(top)]

@@ -1,0 +1,149 @@
+"""Fused eager mode: the same semantics as strict mode, one XLA program per sync point, and a
+compilation cache that explains itself."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tpu
+from torch_tpu import EagerMode
+from torch_tpu.runtime import cache, fused
+
+
+@pytest.fixture
+def fused_mode():
+    with torch_tpu.set_eager_mode(EagerMode.FUSED):
+        cache.reset_stats()
+        yield
+    assert fused.pending_count() == 0
+
+
+def test_ops_are_deferred_until_a_sync_point(fused_mode):
+    x = torch.ones(3, device="tpu")
+    y = (x * 2 + 1).neg()
+    assert fused.pending_count() > 0
+    assert y.tolist() == [-3.0, -3.0, -3.0]  # a host read runs the trace
+    assert fused.pending_count() == 0
+    z = y * y
+    torch_tpu.sync()
+    assert fused.pending_count() == 0
+    assert z.sum().item() == 27.0
+
+
+def test_views_and_inplace_match_cpu(fused_mode):
+    c = torch.randn(4, 6)
+    t = c.clone().to("tpu")
+    for x in (c, t):
+        x.t()[1:3, 2].add_(5)
+        x[:, 1].mul_(2)
+        v = x.view(2, 12)
+        v[1, ::3] = 7.0
+        x.diagonal().zero_()
+    torch.testing.assert_close(t.cpu(), c)
+
+
+def _train(model, dev, steps, lrs=None):
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 8).to(dev)
+    y = torch.randn(16, 1).to(dev)
+    losses = []
+    for i in range(steps):
+        if lrs:
+            opt.param_groups[0]["lr"] = lrs[i]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_training_matches_cpu_and_reaches_steady_state(fused_mode):
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu).to("tpu")
+    lrs = [1e-2 * 0.9**i for i in range(6)]  # a changing learning rate must not recompile
+    want = _train(cpu, "cpu", 6, lrs)
+    misses = []
+    opt_losses = []
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(tpu.parameters(), lr=1e-2)
+    x = torch.randn(16, 8).to("tpu")
+    y = torch.randn(16, 1).to("tpu")
+    for i in range(6):
+        before = torch_tpu.cache_stats()["misses"]
+        opt.param_groups[0]["lr"] = lrs[i]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(tpu(x), y)
+        loss.backward()
+        opt.step()
+        opt_losses.append(loss.item())
+        misses.append(torch_tpu.cache_stats()["misses"] - before)
+    torch.testing.assert_close(torch.tensor(opt_losses), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    for a, b in zip(cpu.parameters(), tpu.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+    assert misses[2:] == [0, 0, 0, 0], misses  # zero misses per step after two warm-up steps
+    stats = torch_tpu.cache_stats()
+    assert stats["hits"] > 0 and stats["entries"] and stats["compile_seconds"] > 0
+    assert all({"fingerprint", "hits", "compile_seconds", "last_use"} <= set(e) for e in stats["entries"])
+
+
+def test_recompile_explainer_names_the_changed_shape(fused_mode, monkeypatch):
+    monkeypatch.setattr(cache, "RECOMPILE_WARN", 2)
+    w = torch.randn(8, 4, device="tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (16, 16, 16, 5, 16, 7, 16, 3):  # a loop whose last batches are smaller
+            x = torch.ones(batch, 8).to("tpu")
+            (x @ w).relu().sum().item()
+    reasons = [r.reason for r in cache.recompiles]
+    assert reasons, "a shape change must be recorded as a recompilation"
+    assert any("[5, 8]" in r or "[16, 8]" in r for r in reasons), reasons
+    assert "recompilations" in torch_tpu.metrics_report()
+    texts = [str(c.message) for c in caught if "recompiled" in str(c.message)]
+    assert len(texts) == 1 and "drop_last=True" in texts[0]
+
+
+def test_error_at_sync_names_op_and_line(fused_mode, monkeypatch):
+    from torch_tpu.ops import _registry
+
+    op = torch.ops.aten.neg.default
+    good = _registry.LOWERINGS[op]
+    from torch_tpu import _dispatch
+
+    def broken(self):
+        raise ValueError("broken lowering")
+
+    bad_kernel = _dispatch._OpKernel(op, _registry.Lowering(broken), "functional")
+    x = torch.ones(2, device="tpu")
+    y = bad_kernel(x)  # recorded, not run
+    with pytest.raises(RuntimeError, match=r"aten\.neg\.default.*recorded at .*test_fused\.py:\d+.*broken lowering"):
+        y.cpu()
+    assert _registry.LOWERINGS[op] is good
+
+
+def test_length_cap_flushes(fused_mode, monkeypatch):
+    monkeypatch.setattr(fused, "MAX_OPS", 10)
+    x = torch.zeros(2, device="tpu")
+    for _ in range(25):
+        x = x + 1
+    assert fused.pending_count() < 10
+    assert x.tolist() == [25.0, 25.0]
+
+
+def test_backward_runs_in_fused_mode(fused_mode):
+    c = torch.randn(5, requires_grad=True)
+    t = c.detach().to("tpu").requires_grad_()
+    for x in (c, t):
+        (x.sin() * x).sum().backward()
+    torch.testing.assert_close(t.grad.cpu(), c.grad)

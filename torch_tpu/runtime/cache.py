@@ -1,0 +1,211 @@
+"""The compilation cache of fused traces: fingerprints, statistics, and why a trace recompiled.
+
+A trace's fingerprint is its op sequence (each op's program carries its static parameters and
+input signature), how the ops are wired, and the shapes and dtypes of its array inputs. Python
+numbers are runtime arguments and never part of it.
+
+When a sync point that compiled before misses the cache, the new trace is compared with the last
+one seen there, and the first difference is recorded as the reason: an input whose shape or dtype
+changed, or where the op sequence diverged. After ``TORCH_TPU_RECOMPILE_WARN`` (default 8)
+recompilations at one site, a warning says why and what to do.
+
+Compiled executables also persist on disk through JAX's own persistent compilation cache, under
+``~/.cache/torch_tpu`` (``TORCH_TPU_CACHE_DIR``; ``off`` disables it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import os
+import time
+import warnings
+from typing import Any
+
+import jax
+
+RECOMPILE_WARN = int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
+
+
+@dataclasses.dataclass
+class Entry:
+    fingerprint: str
+    ops: int
+    outputs: frozenset
+    slots: dict
+    compiled: Any
+    compile_seconds: float
+    hits: int = 0
+    last_use: float = 0.0
+
+
+@dataclasses.dataclass
+class Recompile:
+    site: str
+    reason: str
+
+
+_entries: dict[Any, Entry] = {}
+_last_key_at_site: dict[Any, Any] = {}
+_site_recompiles: collections.Counter = collections.Counter()
+_warned_sites: set = set()
+recompiles: list[Recompile] = []
+_stats = {"requests": 0, "hits": 0, "misses": 0, "compile_seconds": 0.0}
+
+
+def _site_text(site: tuple[str, int] | None) -> str:
+    return f"{site[0]}:{site[1]}" if site else "<unknown>"
+
+
+def _fingerprint(key: Any) -> str:
+    h = hashlib.sha1()
+    for program, wiring in key:
+        h.update(program.name.encode())
+        h.update(repr(wiring).encode())
+    return h.hexdigest()[:16]
+
+
+def explain(old: Any, new: Any, sites: list) -> str:
+    """The first difference between two traces recorded at the same sync point."""
+    for i, ((p_old, w_old), (p_new, w_new)) in enumerate(zip(old, new)):
+        if p_old is not p_new:
+            if p_old.name.split("(")[0] == p_new.name.split("(")[0]:
+                return f"op #{i} {p_new.name.split('(')[0]} changed its inputs: {p_old.name} -> {p_new.name}"
+            return (
+                f"the op sequence diverged at op #{i} (recorded at {_site_text(sites[i])}): "
+                f"{p_old.name} -> {p_new.name}"
+            )
+        if w_old != w_new:
+            for k, (a, b) in enumerate(zip(w_old, w_new)):
+                if a != b:
+                    if a[0] == "a" and b[0] == "a":
+                        return (
+                            f"input {k} of op #{i} {p_new.name.split('(')[0]} changed from "
+                            f"{a[3]}{list(a[2])} to {b[3]}{list(b[2])}"
+                        )
+                    return f"input {k} of op #{i} {p_new.name.split('(')[0]} changed kind: {a[0]} -> {b[0]}"
+    if len(old) != len(new):
+        return f"the trace has {len(new)} ops instead of {len(old)} (recorded at {_site_text(sites[min(len(old), len(new)) - 1])})"
+    return "the same ops, but other values are kept alive as outputs"
+
+
+def _build(key: Any, outputs: list, args: list) -> tuple[Any, float]:
+    def replay(*a: Any) -> list:
+        env: list = []
+        for program, wiring in key:
+            xs = [env[w[1]][w[2]] if w[0] == "n" else a[w[1]] for w in wiring]
+            r = program.fn(*xs)
+            env.append(r if program.multi else (r,))
+        return [env[i][j] for i, j in outputs]
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(replay).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def run_trace(key: Any, want: list, args: list, sites: list, flush_site: Any, reason: str) -> tuple[list, dict]:
+    """Runs one trace: a cached executable when its fingerprint matches, else a fresh compile."""
+    _stats["requests"] += 1
+    entry = _entries.get(key)
+    if entry is None or not entry.outputs.issuperset(want):
+        outputs = sorted(set(want) | (entry.outputs if entry else set()))
+        try:
+            compiled, seconds = _build(key, outputs, args)
+        except Exception as e:
+            raise _trace_error(e, key, sites) from e
+        site = (flush_site, reason)
+        previous = _last_key_at_site.get(site)
+        if previous is not None or entry is not None:
+            why = explain(previous, key, sites) if entry is None else "new outputs are kept alive"
+            _record_recompile(site, why)
+        _last_key_at_site[site] = key
+        entry = _entries[key] = Entry(
+            fingerprint=_fingerprint(key),
+            ops=len(key),
+            outputs=frozenset(outputs),
+            slots={o: i for i, o in enumerate(outputs)},
+            compiled=compiled,
+            compile_seconds=seconds,
+        )
+        _stats["misses"] += 1
+        _stats["compile_seconds"] += seconds
+    else:
+        entry.hits += 1
+        _stats["hits"] += 1
+        _last_key_at_site[(flush_site, reason)] = key
+    entry.last_use = time.time()
+    try:
+        values = entry.compiled(*args)
+    except Exception as e:
+        raise RuntimeError(f"tpu: the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed: {e}") from e
+    return values, entry.slots
+
+
+def _trace_error(e: Exception, key: Any, sites: list) -> Exception:
+    """Names the op (and the user's line that recorded it) whose lowering failed."""
+    tb = e.__traceback__
+    failing = None
+    while tb is not None:  # the innermost replay frame knows which program was running
+        if tb.tb_frame.f_code.co_name == "replay" and "program" in tb.tb_frame.f_locals:
+            failing = tb.tb_frame.f_locals["program"]
+        tb = tb.tb_next
+    if failing is not None:
+        i = next((k for k, (p, _) in enumerate(key) if p is failing), None)
+        where = _site_text(sites[i]) if i is not None else "<unknown>"
+        return RuntimeError(f"tpu: {failing.name}, recorded at {where}, failed: {type(e).__name__}: {e}")
+    return RuntimeError(f"tpu: a fused program of {len(key)} ops failed to compile: {type(e).__name__}: {e}")
+
+
+def _record_recompile(site: Any, why: str) -> None:
+    text = f"{_site_text(site[0])} ({site[1]})"
+    recompiles.append(Recompile(text, why))
+    _site_recompiles[site] += 1
+    if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
+        _warned_sites.add(site)
+        warnings.warn(
+            f"tpu: the fused program at {text} recompiled {_site_recompiles[site]} times; last reason: {why}. "
+            "Shapes that change every step recompile every step: pad or bucket them, or use "
+            "DataLoader(drop_last=True) so the last batch has the same size.",
+            stacklevel=4,
+        )
+
+
+def cache_stats() -> dict[str, Any]:
+    """Requests, hits, misses and compile seconds of fused traces, overall and per entry."""
+    return {
+        **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in _stats.items()},
+        "entries": [
+            {
+                "fingerprint": e.fingerprint,
+                "ops": e.ops,
+                "hits": e.hits,
+                "compile_seconds": round(e.compile_seconds, 4),
+                "last_use": e.last_use,
+            }
+            for e in _entries.values()
+        ],
+    }
+
+
+def reset_stats() -> None:
+    """Zeroes the counters and the recompilation log (compiled entries stay)."""
+    _stats.update(requests=0, hits=0, misses=0, compile_seconds=0.0)
+    for e in _entries.values():
+        e.hits = 0
+    recompiles.clear()
+    _site_recompiles.clear()
+    _warned_sites.clear()
+
+
+def configure_persistent_cache() -> str | None:
+    """Points JAX's persistent compilation cache at the torch_tpu cache directory."""
+    where = os.environ.get("TORCH_TPU_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_tpu"))
+    if where.lower() == "off":
+        return None
+    os.makedirs(where, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(
+        os.environ.get("TORCH_TPU_CACHE_MIN_COMPILE_SECONDS", "0.1")))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return where

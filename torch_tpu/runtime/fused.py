@@ -1,0 +1,176 @@
+"""Fused eager mode: ops are recorded, then run as one XLA program at a sync point.
+
+Each recorded op is a node holding its :class:`Program` and its inputs: concrete jax arrays,
+Python numbers (runtime arguments, so a changing learning rate never recompiles), or references
+to earlier nodes' outputs. A node's outputs are :class:`Lazy` placeholders; storages hold them
+in place of arrays.
+
+At a sync point (a host read, ``torch_tpu.sync()``, a mode switch, or the length cap) the
+pending nodes become one function, jitted and cached under their fingerprint
+(:mod:`torch_tpu.runtime.cache`). Its outputs are exactly the placeholders still alive, ordered
+by position in the trace, so the program does not depend on when the garbage collector ran.
+
+Nodes refer to earlier outputs by (node, index), never by the placeholder itself, so a
+placeholder dies with the last tensor that used it and intermediates stay inside the program.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from torch_tpu.runtime import cache
+
+_lock = threading.RLock()  # autograd records backward ops from its own thread
+_pending: list[Node] = []
+_live: weakref.WeakSet[Lazy] = weakref.WeakSet()
+MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
+
+
+class Node:
+    __slots__ = ("program", "inputs", "site")
+
+    def __init__(self, program: Any, inputs: list, site: tuple[str, int] | None) -> None:
+        self.program = program
+        self.inputs = inputs
+        self.site = site
+
+
+class _Ref:
+    """An input that is output ``index`` of an earlier pending ``node``."""
+
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: Node, index: int) -> None:
+        self.node = node
+        self.index = index
+
+
+class Lazy:
+    """A value that a pending node will produce. ``value`` is set when the trace runs."""
+
+    __slots__ = ("node", "index", "value", "shape", "dtype", "__weakref__")
+
+    def __init__(self, node: Node, index: int, aval: Any) -> None:
+        self.node: Node | None = node
+        self.index = index
+        self.value: Any = None
+        self.shape = tuple(aval.shape)
+        self.dtype = aval.dtype
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.dtype}{list(self.shape)}, {'ready' if self.value is not None else 'pending'})"
+
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP = (os.path.join(_TORCH_DIR, "torch") + os.sep, _OUR_DIR + os.sep, "<")
+
+
+def user_site() -> tuple[str, int] | None:
+    """The innermost source line outside torch and torch_tpu: where the user asked for this."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+
+
+def _spec(x: Any) -> Any:
+    if type(x) is _Ref:
+        aval = _avals_of(x.node)[x.index]
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return x
+
+
+def _avals_of(node: Node) -> list:
+    return node.program.avals
+
+
+def _ensure_avals(program: Any, inputs: list) -> list:
+    if program.avals is None:
+        out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
+        program.avals = list(out) if program.multi else [out]
+    return program.avals
+
+
+def record(program: Any, inputs: tuple) -> Any:
+    """Records one program; returns placeholders for its outputs."""
+    with _lock:
+        ins: list = []
+        for x in inputs:
+            if type(x) is Lazy:
+                ins.append(x.value if x.value is not None else _Ref(x.node, x.index))
+            else:
+                ins.append(x)
+        avals = _ensure_avals(program, ins)
+        node = Node(program, ins, user_site())
+        _pending.append(node)
+        outs = [Lazy(node, i, a) for i, a in enumerate(avals)]
+        for o in outs:
+            _live.add(o)
+        if len(_pending) >= MAX_OPS:
+            flush(reason="length cap")
+        return tuple(outs) if program.multi else outs[0]
+
+
+def concrete(x: Any) -> Any:
+    """The array behind a placeholder, running the pending trace if needed."""
+    if type(x) is not Lazy:
+        return x
+    if x.value is None:
+        flush()
+    if x.value is None:
+        raise RuntimeError("tpu: internal error: a fused value was dropped before it was computed")
+    return x.value
+
+
+def pending_count() -> int:
+    return len(_pending)
+
+
+def flush(reason: str = "sync") -> None:
+    """Compiles (or finds in the cache) and runs the pending trace."""
+    with _lock:
+        if not _pending:
+            return
+        nodes = list(_pending)
+        _pending.clear()
+        live = [r for r in list(_live) if r.value is None]
+        _live.clear()
+        position = {id(n): i for i, n in enumerate(nodes)}
+        args: list = []
+        arg_pos: dict[int, int] = {}
+        wiring_all = []
+        for n in nodes:
+            wiring = []
+            for x in n.inputs:
+                t = type(x)
+                if t is _Ref:
+                    wiring.append(("n", position[id(x.node)], x.index))
+                elif t is float or t is int or t is bool or t is complex:
+                    args.append(x)
+                    wiring.append(("s", len(args) - 1, t))
+                else:
+                    k = id(x)
+                    p = arg_pos.get(k)
+                    if p is None:
+                        p = arg_pos[k] = len(args)
+                        args.append(x)
+                    wiring.append(("a", p, tuple(np.shape(x)), str(x.dtype)))
+            wiring_all.append((n.program, tuple(wiring)))
+        want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
+        sites = [n.site for n in nodes]
+        values, slots = cache.run_trace(tuple(wiring_all), want, args, sites, user_site(), reason)
+        for r in live:
+            if r.node is None:
+                continue
+            r.value = values[slots[(position[id(r.node)], r.index)]]
+            r.node = None
