@@ -37,7 +37,6 @@ from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode
 from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 
-
 _cache.configure_persistent_cache()
 
 

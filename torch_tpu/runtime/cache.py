@@ -86,7 +86,8 @@ def explain(old: Any, new: Any, sites: list) -> str:
                         )
                     return f"input {k} of op #{i} {p_new.name.split('(')[0]} changed kind: {a[0]} -> {b[0]}"
     if len(old) != len(new):
-        return f"the trace has {len(new)} ops instead of {len(old)} (recorded at {_site_text(sites[min(len(old), len(new)) - 1])})"
+        where = _site_text(sites[min(len(old), len(new)) - 1])
+        return f"the trace has {len(new)} ops instead of {len(old)} (recorded at {where})"
     return "the same ops, but other values are kept alive as outputs"
 
 
@@ -138,7 +139,9 @@ def run_trace(key: Any, want: list, args: list, sites: list, flush_site: Any, re
     try:
         values = entry.compiled(*args)
     except Exception as e:
-        raise RuntimeError(f"tpu: the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed: {e}") from e
+        raise RuntimeError(
+            f"tpu: the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed: {e}"
+        ) from e
     return values, entry.slots
 
 

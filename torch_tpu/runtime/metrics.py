@@ -58,7 +58,8 @@ def metrics_report(top: int = 15) -> str:
 
     s = cache.cache_stats()
     lines.append(
-        f"fused programs: {s['requests']} runs, {s['hits']} hits, {s['misses']} compiles in {s['compile_seconds']:.2f} s"
+        f"fused programs: {s['requests']} runs, {s['hits']} hits, "
+        f"{s['misses']} compiles in {s['compile_seconds']:.2f} s"
     )
     if cache.recompiles:
         lines.append(f"recompilations: {len(cache.recompiles)}")

@@ -1,0 +1,313 @@
+"""nn op lowerings (conv, norms, pooling, losses, embeddings, resampling, padding) against CPU.
+
+Every case runs forward and backward on CPU and tpu and asserts the op never fell back to CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_tpu
+
+aten = torch.ops.aten
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _leaf(x: torch.Tensor, device: str) -> torch.Tensor:
+    y = x.detach().clone().to(device)
+    return y.requires_grad_() if y.is_floating_point() else y
+
+
+def check(fn, *inputs: torch.Tensor, grad: bool = True, **tol) -> None:
+    """``fn`` gives the same outputs and input gradients on tpu as on CPU, with no CPU fallback."""
+    tol = tol or TOL
+    ci = [_leaf(x, "cpu") for x in inputs]
+    ti = [_leaf(x, "tpu") for x in inputs]
+    torch_tpu.reset_metrics()
+    co, to = fn(*ci), fn(*ti)
+    co, to = (co, to) if isinstance(co, tuple) else ((co,), (to,))
+    for a, b in zip(co, to, strict=True):
+        torch.testing.assert_close(b.cpu(), a, **tol)
+    if grad:
+        for a, b in zip(co, to, strict=True):
+            if a.requires_grad:
+                w = torch.arange(a.numel(), dtype=a.dtype).reshape(a.shape) % 5 + 1
+                a.backward(w, retain_graph=True)
+                b.backward(w.to("tpu"), retain_graph=True)
+        for a, b in zip(ci, ti, strict=True):
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad.cpu(), a.grad, **tol)
+    mine = {k for k in torch_tpu.metrics()["fallback_counts"]}
+    assert not mine, f"fell back to CPU: {mine}"
+
+
+# ------------------------------------------------------------------------------- convolution
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(stride=2, padding=1), dict(dilation=2, padding=2, groups=2), dict(padding="same", dilation=3)],
+)
+def test_conv2d(kw):
+    check(lambda x, w, b: F.conv2d(x, w, b, **kw), torch.randn(2, 4, 9, 8), torch.randn(6, 4 // kw.get("groups", 1), 3, 3),
+          torch.randn(6))
+
+
+def test_conv1d_and_conv3d():
+    check(lambda x, w: F.conv1d(x, w, stride=3, padding=2), torch.randn(2, 3, 11), torch.randn(5, 3, 4))
+    check(lambda x, w, b: F.conv3d(x, w, b, padding=1, stride=(1, 2, 1)), torch.randn(1, 2, 5, 6, 4),
+          torch.randn(3, 2, 3, 3, 3), torch.randn(3))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(stride=2, padding=1, output_padding=1), dict(groups=2, dilation=2, stride=3)])
+def test_conv_transpose2d(kw):
+    check(lambda x, w, b: F.conv_transpose2d(x, w, b, **kw), torch.randn(2, 4, 5, 6), torch.randn(4, 3, 3, 2),
+          torch.randn(3 * kw.get("groups", 1)))
+
+
+def test_conv_transpose_1d_3d_large_padding():
+    check(lambda x, w: F.conv_transpose1d(x, w, stride=2, padding=3), torch.randn(2, 3, 7), torch.randn(3, 2, 2))
+    check(lambda x, w: F.conv_transpose3d(x, w, stride=2), torch.randn(1, 2, 3, 3, 2), torch.randn(2, 2, 2, 2, 2))
+
+
+def test_conv_backward_output_mask():
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    g = torch.randn(2, 4, 4, 4)
+    args = ([4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False])
+    c = aten.convolution_backward(g, x, w, *args)
+    t = aten.convolution_backward(g.to("tpu"), x.to("tpu"), w.to("tpu"), *args)
+    assert t[0] is None and t[2] is None
+    torch.testing.assert_close(t[1].cpu(), c[1], **TOL)
+
+
+def test_conv_errors():
+    with pytest.raises(RuntimeError):
+        F.conv2d(torch.randn(1, 3, 5, 5, device="tpu"), torch.randn(4, 2, 3, 3, device="tpu"))
+    with pytest.raises(RuntimeError):
+        F.conv2d(torch.randn(1, 3, 5, 5, device="tpu"), torch.randn(4, 3, 3, 3))
+
+
+# ----------------------------------------------------------------------------- normalisation
+def test_batch_norm_train_updates_running_stats():
+    x = torch.randn(4, 3, 5, 5)
+    rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    trm, trv = rm.to("tpu"), rv.to("tpu")
+    check(lambda x, w, b: F.batch_norm(x, rm if x.device.type == "cpu" else trm, rv if x.device.type == "cpu" else trv,
+                                       w, b, training=True, momentum=0.3), x, torch.randn(3), torch.randn(3))
+    torch.testing.assert_close(trm.cpu(), rm, **TOL)
+    torch.testing.assert_close(trv.cpu(), rv, **TOL)
+
+
+def test_batch_norm_eval_and_no_stats():
+    x = torch.randn(4, 3, 6)
+    rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    check(lambda x, w, b: F.batch_norm(x, rm.to(x.device), rv.to(x.device), w, b, training=False), x,
+          torch.randn(3), torch.randn(3))
+    check(lambda x: F.batch_norm(x, None, None, training=True), x)
+
+
+def test_native_batch_norm_eval_saves_nothing():
+    x, rm, rv = torch.randn(2, 3, 4), torch.zeros(3), torch.ones(3)
+    c = aten.native_batch_norm(x, None, None, rm, rv, False, 0.1, 1e-5)
+    t = aten.native_batch_norm(x.to("tpu"), None, None, rm.to("tpu"), rv.to("tpu"), False, 0.1, 1e-5)
+    assert [tuple(a.shape) for a in t] == [tuple(a.shape) for a in c]
+
+
+def test_batch_norm_functional_variants():
+    x, w, b, rm, rv = torch.randn(3, 2, 4), torch.randn(2), torch.randn(2), torch.randn(2), torch.rand(2) + 1
+    t = [a.to("tpu") for a in (x, w, b, rm, rv)]
+    c_out = aten._native_batch_norm_legit_functional(x, w, b, rm, rv, True, 0.1, 1e-5)
+    t_out = aten._native_batch_norm_legit_functional(*t, True, 0.1, 1e-5)
+    for a, o in zip(c_out, t_out, strict=True):
+        torch.testing.assert_close(o.cpu(), a, **TOL)
+    torch.testing.assert_close(t[3].cpu(), rm)  # the functional form leaves its inputs alone
+    rm2, rv2 = rm.clone(), rv.clone()
+    trm2, trv2 = rm2.to("tpu"), rv2.to("tpu")
+    c_out = aten._batch_norm_with_update(x, w, b, rm2, rv2, 0.2, 1e-5)
+    t_out = aten._batch_norm_with_update(t[0], t[1], t[2], trm2, trv2, 0.2, 1e-5)
+    for a, o in zip(c_out[:3], t_out[:3], strict=True):
+        torch.testing.assert_close(o.cpu(), a, **TOL)
+    torch.testing.assert_close(trm2.cpu(), rm2, **TOL)
+    torch.testing.assert_close(trv2.cpu(), rv2, **TOL)
+
+
+def test_layer_and_group_norm():
+    x = torch.randn(3, 4, 5, 6)
+    check(lambda x, w, b: F.layer_norm(x, (5, 6), w, b, eps=1e-3), x, torch.randn(5, 6), torch.randn(5, 6))
+    check(lambda x: F.layer_norm(x, (6,)), x)
+    check(lambda x, w, b: F.group_norm(x, 2, w, b), x, torch.randn(4), torch.randn(4))
+    check(lambda x: F.group_norm(x, 4), torch.randn(2, 4, 7))
+
+
+def test_layer_norm_bf16_accumulates_in_float32():
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    torch.testing.assert_close(F.layer_norm(x.to("tpu"), (64,)).cpu(), F.layer_norm(x, (64,)), rtol=2e-2, atol=2e-2)
+
+
+def test_norm_errors():
+    with pytest.raises(RuntimeError):
+        F.layer_norm(torch.randn(2, 3, device="tpu"), (4,))
+    with pytest.raises(RuntimeError):
+        F.group_norm(torch.randn(2, 5, 3, device="tpu"), 2)
+
+
+# ------------------------------------------------------------------------------------ pooling
+@pytest.mark.parametrize(
+    "kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=3, dilation=2, ceil_mode=True)]
+)
+def test_max_pool2d(kw):
+    check(lambda x: F.max_pool2d(x, **kw), torch.randn(2, 3, 9, 10))
+    check(lambda x: F.max_pool2d(x, return_indices=True, **kw), torch.randn(3, 9, 10))
+
+
+def test_max_pool1d_3d():
+    check(lambda x: F.max_pool1d(x, 3, 2, 1, return_indices=True), torch.randn(2, 3, 11))
+    check(lambda x: F.max_pool3d(x, 2, ceil_mode=True), torch.randn(1, 2, 5, 5, 3))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=3, padding=1, ceil_mode=True,
+                                                                         count_include_pad=False),
+     dict(kernel_size=3, stride=1, padding=1, divisor_override=2)],
+)
+def test_avg_pool2d(kw):
+    check(lambda x: F.avg_pool2d(x, **kw), torch.randn(2, 3, 9, 8))
+
+
+def test_avg_pool1d_3d():
+    check(lambda x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False), torch.randn(2, 3, 10))
+    check(lambda x: F.avg_pool3d(x, 2, ceil_mode=True), torch.randn(1, 2, 5, 4, 3))
+
+
+def test_adaptive_pools():
+    x = torch.randn(2, 3, 10, 7)
+    check(lambda x: F.adaptive_avg_pool2d(x, (3, 4)), x)
+    check(lambda x: F.adaptive_max_pool2d(x, (4, 3), return_indices=True), x)
+    check(lambda x: F.adaptive_avg_pool1d(x, 4), torch.randn(2, 3, 9))
+    check(lambda x: F.adaptive_max_pool1d(x, 4), torch.randn(2, 3, 9))
+    check(lambda x: F.adaptive_avg_pool3d(x, (2, 3, 2)), torch.randn(1, 2, 5, 6, 4))
+    check(lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), torch.randn(1, 2, 5, 6, 4))
+
+
+def test_max_unpool():
+    x = torch.randn(2, 3, 8, 8)
+    out, idx = F.max_pool2d(x, 2, return_indices=True)
+    check(lambda o: F.max_unpool2d(o, idx.to(o.device), 2), out)
+
+
+# ------------------------------------------------------------------------------------- losses
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_pointwise_losses(reduction):
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    check(lambda x, y: F.mse_loss(x, y, reduction=reduction), x, y)
+    check(lambda x, y: F.l1_loss(x, y, reduction=reduction), x, y)
+    check(lambda x, y: F.smooth_l1_loss(x, y, reduction=reduction, beta=0.5), x, y)
+    check(lambda x, y: F.smooth_l1_loss(x, y, reduction=reduction, beta=0.0), x, y)
+    check(lambda x, y: F.huber_loss(x, y, reduction=reduction, delta=0.7), x, y)
+    check(lambda x, y: F.soft_margin_loss(x, y, reduction=reduction), x, y.sign())
+    p, t = torch.rand(4, 5) * 0.98 + 0.01, torch.rand(4, 5)
+    check(lambda p, t, w: F.binary_cross_entropy(p, t, w, reduction=reduction), p, t, torch.rand(5))
+    check(lambda x, t, w, pw: F.binary_cross_entropy_with_logits(x, t, w, reduction=reduction, pos_weight=pw),
+          x * 5, t, torch.rand(5), torch.rand(5))
+    check(lambda x, t: F.kl_div(x, t, reduction="batchmean" if reduction == "mean" else reduction),
+          x.log_softmax(-1), t.softmax(-1))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_and_cross_entropy(reduction):
+    x = torch.randn(6, 5).log_softmax(-1)
+    t = torch.tensor([0, 4, 2, -100, 1, 2])
+    check(lambda x: F.nll_loss(x, t.to(x.device), reduction=reduction), x)
+    check(lambda x, w: F.nll_loss(x, t.to(x.device), w, reduction=reduction, ignore_index=2), x, torch.rand(5))
+    x2 = torch.randn(2, 5, 3, 4)
+    t2 = torch.randint(0, 5, (2, 3, 4))
+    check(lambda x: F.nll_loss(x, t2.to(x.device), reduction=reduction), x2)
+    check(lambda x: F.cross_entropy(x, t2.to(x.device), reduction=reduction, label_smoothing=0.1), x2)
+    check(lambda x: F.nll_loss(x, torch.tensor(3, device=x.device), reduction=reduction), torch.randn(5))
+
+
+def test_loss_errors():
+    x = torch.randn(3, 4, device="tpu")
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.nll_loss(x, torch.tensor([0, 4, 1], device="tpu"))
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        F.binary_cross_entropy(x.abs() + 1, torch.rand(3, 4, device="tpu"))
+    with pytest.raises(ValueError):
+        F.mse_loss(x, torch.randn(3, 4, device="tpu"), reduction="bogus")
+
+
+def test_margin_losses():
+    x = torch.randn(4, 5)
+    t = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, -1, 0], [0, -1, 2, 2, 2], [-1, 1, 1, 1, 1]])
+    check(lambda x: F.multilabel_margin_loss(x, t.to(x.device)), x)
+    check(lambda x: F.multilabel_margin_loss(x, t.to(x.device), reduction="none"), x)
+    y = torch.tensor([1, 0, 4, 2])
+    check(lambda x: F.multi_margin_loss(x, y.to(x.device)), x)
+    check(lambda x, w: F.multi_margin_loss(x, y.to(x.device), p=2, margin=0.5, weight=w, reduction="sum"), x,
+          torch.rand(5))
+
+
+# --------------------------------------------------------------------------------- embeddings
+def test_embedding():
+    w = torch.randn(10, 4)
+    idx = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    check(lambda w: F.embedding(idx.to(w.device), w), w)
+    check(lambda w: F.embedding(idx.to(w.device), w, padding_idx=4, scale_grad_by_freq=True), w)
+    with pytest.raises(IndexError):
+        F.embedding(torch.tensor([10], device="tpu"), w.to("tpu"))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag(mode):
+    w = torch.randn(10, 3)
+    idx, off = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 2, 5])
+    check(lambda w: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode), w)
+    check(lambda w: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode, padding_idx=4), w)
+    check(lambda w: F.embedding_bag(idx.reshape(2, 4).to(w.device), w, mode=mode), w)
+    if mode == "sum":
+        check(lambda w, p: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode, per_sample_weights=p,
+                                           include_last_offset=True), w, torch.rand(8))
+
+
+# ----------------------------------------------------------------------------- resampling/pads
+@pytest.mark.parametrize("mode", ["nearest", "nearest-exact", "bilinear", "bicubic"])
+@pytest.mark.parametrize("size", [(7, 5), (16, 10), (3, 2)])
+def test_interpolate_2d(mode, size):
+    align = dict(align_corners=False) if mode in ("bilinear", "bicubic") else {}
+    check(lambda x: F.interpolate(x, size=size, mode=mode, **align), torch.randn(2, 3, 8, 5))
+    if align:
+        check(lambda x: F.interpolate(x, size=size, mode=mode, align_corners=True), torch.randn(2, 3, 8, 5))
+
+
+def test_interpolate_scale_factor_1d_3d():
+    check(lambda x: F.interpolate(x, scale_factor=1.7, mode="linear"), torch.randn(2, 3, 6))
+    check(lambda x: F.interpolate(x, scale_factor=2.3, mode="nearest"), torch.randn(2, 3, 6))
+    check(lambda x: F.interpolate(x, scale_factor=(1.5, 2, 0.7), mode="trilinear"), torch.randn(1, 2, 4, 3, 5))
+    check(lambda x: F.interpolate(x, size=(3, 5, 4), mode="nearest"), torch.randn(1, 2, 4, 3, 5))
+    check(lambda x: F.interpolate(x, scale_factor=1.3, mode="bilinear", recompute_scale_factor=False),
+          torch.randn(1, 2, 5, 5))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_pads(mode):
+    check(lambda x: F.pad(x, (2, 1), mode=mode), torch.randn(2, 3, 5))
+    check(lambda x: F.pad(x, (2, 1, 0, 3), mode=mode), torch.randn(2, 3, 5, 4))
+    check(lambda x: F.pad(x, (1, 1, 2, 0, 1, 2), mode=mode), torch.randn(1, 2, 3, 4, 5))
+
+
+def test_pixel_shuffle_unfold_fold_pdist():
+    check(lambda x: F.pixel_shuffle(x, 2), torch.randn(2, 8, 3, 4))
+    check(lambda x: F.pixel_unshuffle(x, 2), torch.randn(2, 2, 6, 4))
+    check(lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=2), torch.randn(2, 3, 7, 8))
+    check(lambda x: F.fold(x, (5, 6), (2, 2), padding=1), torch.randn(2, 12, 30))
+    for p in (1.0, 2.0, 3.0, float("inf")):
+        check(lambda x, p=p: F.pdist(x, p), torch.randn(5, 4))
+
+
+def test_no_warnings_from_lowered_ops():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.conv2d(torch.randn(1, 1, 4, 4, device="tpu"), torch.randn(1, 1, 2, 2, device="tpu"))
