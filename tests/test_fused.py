@@ -147,3 +147,15 @@ def test_backward_runs_in_fused_mode(fused_mode):
     for x in (c, t):
         (x.sin() * x).sum().backward()
     torch.testing.assert_close(t.grad.cpu(), c.grad)
+
+
+def test_profile_writes_a_trace_and_summarises(tmp_path, fused_mode):
+    x = torch.randn(32, 32).to("tpu")
+    with torch_tpu.profile(tmp_path / "trace") as prof:
+        for _ in range(3):
+            y = (x @ x).relu().sum()
+            y.item()
+    text = prof.summary()
+    assert "fused program" in text and "host->device" in text and "recompilations" in text
+    assert "device->host: " in text
+    assert any(p.suffix in (".pb", ".gz") or p.name.endswith(".xplane.pb") for p in (tmp_path / "trace").rglob("*"))

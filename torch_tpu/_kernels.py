@@ -63,7 +63,9 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 def host_to_device(t: torch.Tensor) -> Any:
     """A jax array on tpu:0 with a private copy of a CPU tensor's data."""
-    return jax.device_put(np.array(_dtypes.cpu_to_numpy(t), copy=True), _device.jax_device(0))
+    data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
+    metrics.transfer_bytes["host_to_device"] += data.nbytes
+    return jax.device_put(data, _device.jax_device(0))
 
 
 @kernel(aten._copy_from.default)

@@ -22,7 +22,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu.runtime import fused
+from torch_tpu.runtime import fused, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 DK = torch._C.DispatchKey
@@ -228,7 +228,9 @@ def read_array(t: torch.Tensor) -> Any:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """Copies a tpu tensor to the host (a sync point)."""
-    return np.asarray(read_array(t))
+    a = np.asarray(read_array(t))
+    metrics.transfer_bytes["device_to_host"] += a.nbytes
+    return a
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:

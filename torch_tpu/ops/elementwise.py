@@ -92,10 +92,11 @@ def _opmath(dt: np.dtype) -> np.dtype:
 def _common(*xs, floating: bool = False):
     """``xs`` cast to torch's common dtype (float32 for low precision, or when ``floating``
     and the common dtype is integral)."""
-    dt = _opmath(result_dtype(*xs))
+    common = result_dtype(*xs)
+    dt = _opmath(common)
     if floating and _category(dt) < 2:
-        dt = _F32
-    return tuple(None if x is None else jnp.asarray(x, dt) for x in xs)
+        dt = common = _F32
+    return tuple(None if x is None else jnp.asarray(jnp.asarray(x, common), dt) for x in xs)
 
 
 def _fl(x):

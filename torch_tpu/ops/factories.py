@@ -13,18 +13,29 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 
+from torch_tpu import _dtypes
 from torch_tpu._dispatch import kernel
+from torch_tpu._storage import new_tensor
 from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops.shape import program
+from torch_tpu.runtime import metrics
+from torch_tpu.runtime.executor import execute
 
 
 def _all_int(*xs) -> bool:
     return all(isinstance(x, int | bool) for x in xs)
 
 
-def _check_arange(*args, **kwargs):
-    start, end, step = _arange_args(*args)
+def _arange_args(start, end=None, step=1):
+    if end is None:
+        start, end = 0, start
+    return start, end, step
+
+
+def _check_arange(start, end, step) -> None:
     if step == 0:
         raise RuntimeError("arange: step must be nonzero")
     if not all(math.isfinite(float(x)) for x in (start, end)):
@@ -33,22 +44,23 @@ def _check_arange(*args, **kwargs):
         raise RuntimeError("arange: upper bound and larger bound inconsistent with step sign")
 
 
-def _arange_args(start, end=None, step=1, **_):
-    if end is None:
-        start, end = 0, start
-    return start, end, step
+def _arange_body(start, step, n: int, acc, out):
+    return (start + jnp.arange(n, dtype=acc) * step).astype(out)
 
 
-@lower(aten.arange.default, aten.arange.start, aten.arange.start_step, static_scalars=True, check=_check_arange)
-def arange(start, end=None, step=1, dtype=None):
-    """``start + i * step``, computed in int64 for integer arguments and float64 otherwise (CPU
-    also accumulates in double); the dispatcher casts to the dtype torch picked."""
-    start, end, step = _arange_args(start, end, step)
-    if _all_int(start, end, step):
-        n = max(0, -((start - end) // step))
-        return start + jnp.arange(n, dtype=jnp.int64) * step
-    n = max(0, math.ceil((end - start) / step))
-    return start + jnp.arange(n, dtype=jnp.float64) * step
+@kernel(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    """``start + i * step``, accumulated in int64 for integer arguments and float64 otherwise
+    (CPU also accumulates in double). A hand kernel because the length depends on the Scalar
+    values while ``start`` and ``step`` stay runtime inputs, so a new start never recompiles."""
+    metrics.op_counts["aten.arange"] += 1
+    start, end, step = (x.item() if isinstance(x, torch.Tensor) else x for x in _arange_args(*args))
+    _check_arange(start, end, step)
+    meta = aten.arange.start_step(start, end, step, dtype=dtype, device="meta")  # CPU's dtype and length
+    n = meta.shape[0]
+    acc = np.int64 if _all_int(start, end, step) else np.float64
+    fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(meta.dtype))
+    return new_tensor((n,), meta.dtype, execute(fn, acc(start), acc(step)))
 
 
 def _linspace_values(start, end, steps: int):

@@ -136,8 +136,14 @@ def run_trace(key: Any, want: list, args: list, sites: list, flush_site: Any, re
         _stats["hits"] += 1
         _last_key_at_site[(flush_site, reason)] = key
     entry.last_use = time.time()
+    from torch_tpu.runtime import profiler
+
     try:
-        values = entry.compiled(*args)
+        prof = profiler.active()
+        if prof is None:
+            values = entry.compiled(*args)
+        else:
+            values = prof.timed(f"fused program {entry.fingerprint} ({entry.ops} ops)", entry.compiled, *args)
     except Exception as e:
         raise RuntimeError(
             f"tpu: the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed: {e}"

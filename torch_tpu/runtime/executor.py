@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime import fused, metrics, profiler
 
 
 class EagerMode(enum.Enum):
@@ -118,7 +118,8 @@ def execute(program: Program, *inputs: Any) -> Any:
     try:
         if any(type(x) is fused.Lazy for x in inputs):
             inputs = tuple(fused.concrete(x) for x in inputs)
-        out = program(*inputs)
+        prof = profiler._active
+        out = program(*inputs) if prof is None else prof.timed(program.name, program, *inputs)
         if _mode is EagerMode.DEBUG:
             jax.block_until_ready(out)
     except Exception as e:  # a lowering or runtime failure: name the op, never a bare jax trace

@@ -15,6 +15,7 @@ fallback_counts: collections.Counter[str] = collections.Counter()
 decomposition_counts: collections.Counter[str] = collections.Counter()
 compile_counts: collections.Counter[str] = collections.Counter()
 compile_seconds: collections.Counter[str] = collections.Counter()
+transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
 
 
 def count_compile(name: str, seconds: float) -> None:
@@ -26,7 +27,7 @@ def count_compile(name: str, seconds: float) -> None:
 
 def reset() -> None:
     """Clears every counter (the compiled programs themselves stay cached)."""
-    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds):
+    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes):
         c.clear()
 
 
@@ -38,6 +39,7 @@ def metrics() -> dict[str, Any]:
         "decomposition_counts": dict(decomposition_counts),
         "compile_count": sum(compile_counts.values()),
         "compile_seconds": round(sum(compile_seconds.values()), 4),
+        "transfer_bytes": dict(transfer_bytes),
     }
 
 
