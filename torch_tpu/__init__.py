@@ -35,8 +35,8 @@ from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
 from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
-from torch_tpu.runtime.profiler import profile  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
+from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
 
