@@ -1,6 +1,12 @@
 """Benchmark commands.
 
     python -m torch_tpu.bench dispatch [--n 2000]
+    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused [--steps N]
+    python -m torch_tpu.bench train --workload gpt --compare
+
+``train``: steps per second (best of three timed windows, compile excluded) and the first-step
+time, as one JSON line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
+prints a table.
 
 ``dispatch``: median microseconds per op for small ops (add, mul, matmul on 64x64 and an
 in-place add) on tpu in strict mode, next to CPU PyTorch in the same run. Each figure is the
@@ -54,12 +60,55 @@ def dispatch(n: int) -> dict:
             "shape": [64, 64], "ops": results}
 
 
+def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
+    from torch_tpu.bench import workloads
+
+    if mode == "cpu":
+        dev = "cpu"
+    else:
+        dev = "tpu"
+        torch_tpu.set_eager_mode(mode)
+    try:
+        model, step, tokens = workloads.make(workload, dev)
+        t0 = time.perf_counter()
+        float(step().detach().to("cpu"))
+        first = time.perf_counter() - t0
+        for _ in range(warmup - 1):
+            step()
+        float(step().detach().to("cpu"))
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(steps):
+                loss = step()
+            final = float(loss.detach().to("cpu"))  # a host read ends the window's queued work
+            best = max(best, steps / (time.perf_counter() - t))
+    finally:
+        torch_tpu.set_eager_mode("strict")
+    return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
+            "final_loss": round(final, 5), "platform": torch_tpu.platform()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m torch_tpu.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dispatch", help="per-op dispatch cost on 64x64 tensors")
     d.add_argument("--n", type=int, default=2000)
+    t = sub.add_parser("train", help="training steps per second of a workload")
+    t.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
+    t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "cpu"])
+    t.add_argument("--steps", type=int, default=10)
+    t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
     a = p.parse_args()
+    if a.cmd == "train":
+        modes = ["cpu", "debug", "strict", "fused"] if a.compare else [a.mode]
+        rows = [train(a.workload, m, a.steps) for m in modes]
+        for r in rows:
+            print(json.dumps(r))
+        if a.compare:
+            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s}")
+            for r in rows:
+                print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f}")
     if a.cmd == "dispatch":
         r = dispatch(a.n)
         print(json.dumps(r))
