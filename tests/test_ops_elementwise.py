@@ -31,8 +31,8 @@ def _no_fallback():
 
 X = torch.tensor([-3.5, -2.5, -1.0, -0.0, 0.0, 0.4, 0.5, 1.5, 2.5, 7.0])
 Y = torch.tensor([2.0, -1.5, 3.0, 1.0, -2.0, 0.0, 0.7, -4.0, 2.5, 3.0])
-I = torch.tensor([-7, -3, 0, 2, 5, 9], dtype=torch.int32)
-J = torch.tensor([2, -2, 3, 3, -4, 4], dtype=torch.int32)
+IA = torch.tensor([-7, -3, 0, 2, 5, 9], dtype=torch.int32)
+IB = torch.tensor([2, -2, 3, 3, -4, 4], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("fn", [
@@ -53,7 +53,7 @@ def test_binary_float(fn):
     lambda a, b: torch.div(a, b, rounding_mode="trunc"), lambda a, b: a.abs() ** b.abs(),
 ])
 def test_binary_int(fn):
-    _same(fn, I, J)
+    _same(fn, IA, IB)
 
 
 def test_shifts_out_of_range_and_bitwise_not():
@@ -68,9 +68,9 @@ def test_promotion_with_scalars_and_zero_dim():
     h = torch.tensor([1.0, 2.0009765625, 3.0], dtype=torch.float16)
     z = torch.tensor(2.0009765625, dtype=torch.float32)
     _same(torch.eq, h, z)  # compared in float16, as CPU does
-    _same(lambda a: a * 2.5, I)
-    _same(lambda a: a + 3, I.to(torch.int8))
-    _same(lambda a: a / 2, I)
+    _same(lambda a: a * 2.5, IA)
+    _same(lambda a: a + 3, IA.to(torch.int8))
+    _same(lambda a: a / 2, IA)
     _same(lambda a: a.to(torch.bfloat16) * 0.1, X)
 
 
@@ -81,7 +81,7 @@ def test_pow_scalar(exp):
 
 def test_pow_int_negative_raises():
     with pytest.raises(RuntimeError, match="Integers to negative integer powers"):
-        I.to(DEV) ** -2
+        IA.to(DEV) ** -2
 
 
 @pytest.mark.parametrize("name", [
@@ -97,9 +97,9 @@ def test_unary(name):
 
 
 def test_unary_int_and_bf16():
-    _same(torch.exp, I)
+    _same(torch.exp, IA)
     _same(torch.sqrt, X.abs().to(torch.bfloat16))
-    _same(torch.floor, I)
+    _same(torch.floor, IA)
     _same(lambda a: torch.round(a, decimals=2), X / 3)
     _same(lambda a: torch.round(a, decimals=-1), X * 30)
 
@@ -129,7 +129,7 @@ def test_clamp_forms():
 
 def test_masked_fill_fill_zero_clone():
     _same(lambda a: a.masked_fill(a > 0, 9.0), X)
-    _same(lambda a: a.masked_fill(a > 0, torch.tensor(-1.0)), X)
+    _same(lambda a, v: a.masked_fill(a > 0, v), X, torch.tensor(-1.0))
     _same(lambda a: a.clone().fill_(3.0), X)
     _same(lambda a: a.clone().zero_(), X)
     _same(lambda a: a.clone().add_(1.0).mul_(2), X)
@@ -139,7 +139,7 @@ def test_masked_fill_fill_zero_clone():
     F.relu, F.gelu, lambda a: F.gelu(a, approximate="tanh"), F.silu, F.mish, F.elu, F.celu, F.selu,
     lambda a: F.leaky_relu(a, 0.2), F.hardtanh, F.hardsigmoid, F.hardswish, F.softplus, F.logsigmoid,
     lambda a: F.threshold(a, 0.5, -2.0), F.softshrink, F.hardshrink, torch.sigmoid, torch.tanh, F.relu6,
-    lambda a: F.glu(a.reshape(2, 5).repeat(1, 2)), lambda a: F.prelu(a.reshape(2, 5), torch.tensor([0.25])),
+    lambda a: F.glu(a.reshape(2, 5).repeat(1, 2)),
 ])
 def test_activation_forward_and_grad(fn):
     xc = (X + 0.1).requires_grad_()
@@ -149,6 +149,19 @@ def test_activation_forward_and_grad(fn):
     (gc,) = torch.autograd.grad(yc.sum(), xc)
     (gt,) = torch.autograd.grad((yt * torch.ones_like(yc).to(DEV)).sum(), xt)
     torch.testing.assert_close(gt.cpu(), gc)
+
+
+def test_prelu_forward_and_grad():
+    for dev in ("cpu", DEV):
+        x = (X.reshape(5, 2) + 0.1).to(dev).requires_grad_()
+        w = torch.tensor([0.25, -0.5]).to(dev).requires_grad_()
+        y = F.prelu(x, w)
+        gx, gw = torch.autograd.grad((y * torch.arange(10.0).reshape(5, 2).to(dev)).sum(), (x, w))
+        if dev == "cpu":
+            ref = (y.detach(), gx, gw)
+        else:
+            for a, b in zip((y, gx, gw), ref):
+                torch.testing.assert_close(a.detach().cpu(), b)
 
 
 def test_errors_match_cpu():

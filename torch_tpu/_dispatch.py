@@ -49,7 +49,11 @@ def device_mismatch(op_name: str, other: torch.device) -> RuntimeError:
     )
 
 
-def _spec(a: Any, scalar_is_dynamic: bool, dyn: list, op_name: str) -> Any:
+# How an argument's Python numbers are treated: all static, floats at run time, or all at run time.
+STATIC, FLOATS, NUMBERS = 0, 1, 2
+
+
+def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
     """The signature of one argument, appending its runtime inputs to ``dyn``."""
     if isinstance(a, torch.Tensor):
         if a.device.type == "tpu":
@@ -60,11 +64,11 @@ def _spec(a: Any, scalar_is_dynamic: bool, dyn: list, op_name: str) -> Any:
             return _Scalar((a.dtype,))
         raise device_mismatch(op_name, a.device)
     t = type(a)
-    if t is float or t is complex or (scalar_is_dynamic and (t is int or t is bool)):
+    if (dynamic and (t is float or t is complex)) or (dynamic == NUMBERS and (t is int or t is bool)):
         dyn.append(a)
         return _Scalar((t,))
     if t is list or t is tuple:
-        return tuple(_spec(x, scalar_is_dynamic, dyn, op_name) for x in a)
+        return tuple(_spec(x, dynamic, dyn, op_name) for x in a)
     return a
 
 
@@ -79,7 +83,7 @@ def _rebuild(s: Any, it) -> Any:
 
 
 def _meta(a: Any) -> Any:
-    if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+    if isinstance(a, torch.Tensor) and (a.device.type == "tpu" or a.dim() == 0):
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
     if isinstance(a, (list, tuple)):
         return type(a)(_meta(x) for x in a)
@@ -113,7 +117,10 @@ class _OpKernel:
         self.lowering = lowering
         self.kind = kind  # functional | inplace | out
         schema = op._schema
-        self.dynamic = {a.name: (not lowering.static_scalars and "Scalar" in str(a.type)) for a in schema.arguments}
+        self.dynamic = {
+            a.name: STATIC if lowering.static_scalars else (NUMBERS if "Scalar" in str(a.type) else FLOATS)
+            for a in schema.arguments
+        }
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
         self.returns_list = len(schema.returns) == 1 and "[]" in str(schema.returns[0].type)
@@ -169,7 +176,7 @@ class _OpKernel:
         name = self.name
         pos = tuple(_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic))
         kw = tuple(
-            (k, _spec(v, self.dynamic.get(k, False), dyn, name))
+            (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
             for k, v in kwargs.items()
             if k not in _IGNORED_KWARGS and k not in self.out_names
         )

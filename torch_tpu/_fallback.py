@@ -51,6 +51,8 @@ def _from_cpu(x: Any) -> Any:
     from torch_tpu._kernels import host_to_device
 
     if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        if x._is_zerotensor():  # autograd's efficient zeros have no data to copy
+            x = torch.zeros(x.shape, dtype=x.dtype)
         return new_tensor(tuple(x.shape), x.dtype, host_to_device(x))
     if isinstance(x, (list, tuple)):
         return type(x)(_from_cpu(y) for y in x)

@@ -496,12 +496,66 @@ def digamma(self):
     return _digamma(_fl(self))
 
 
+# B_2j / (2j)! for j = 1..12: the Euler-Maclaurin correction terms of the Hurwitz zeta tail.
+_BERNOULLI_2J = ((1, 6), (-1, 30), (1, 42), (-1, 30), (5, 66), (-691, 2730), (7, 6), (-3617, 510), (43867, 798),
+                 (-174611, 330), (854513, 138), (-236364091, 2730))
+_EM_COEFFS = tuple(a / b / math.factorial(2 * j + 2) for j, (a, b) in enumerate(_BERNOULLI_2J))
+
+
+def _hurwitz_zeta(s, q):
+    """zeta(s, q) = sum_k (q + k)^-s, in float64: a direct sum until q + k >= 10 (at least ten
+    terms), then the Euler-Maclaurin tail. Negative q is allowed for integer s, as in torch (jax's
+    zeta is inaccurate there). Domain: s = 1 gives inf, s < 1 NaN, q a non-positive integer inf."""
+    s, q = jnp.broadcast_arrays(jnp.asarray(s, jnp.float64), jnp.asarray(q, jnp.float64))
+    bad = jnp.isnan(s) | jnp.isnan(q)
+    qs = jnp.where(bad | (q <= 0) & (q == jnp.floor(q)), 1.0, q)
+    m = jnp.maximum(10.0, jnp.ceil(10.0 - qs))
+
+    def body(state):
+        k, acc = state
+        return k + 1, acc + jnp.where(k < m, (qs + k) ** -s, 0.0)
+
+    _, direct = lax.while_loop(lambda st: st[0] < jnp.max(m, initial=0.0), body, (jnp.zeros((), jnp.float64),
+                                                                                     jnp.zeros_like(qs)))
+    w = qs + m
+    tail = w ** (1 - s) / (s - 1) + 0.5 * w**-s
+    rising = s
+    power = w ** (-s - 1)
+    for j, c in enumerate(_EM_COEFFS):
+        tail = tail + c * rising * power
+        rising = rising * (s + 2 * j + 1) * (s + 2 * j + 2)
+        power = power / (w * w)
+    out = direct + tail
+    out = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, out)
+    out = jnp.where((q < 0) & (s != jnp.floor(s)), jnp.nan, out)
+    out = jnp.where(s == 1, jnp.inf, jnp.where(s < 1, jnp.nan, out))
+    return jnp.where(bad, jnp.nan, out)
+
+
+def _trigamma(x):
+    """CPU's trigamma, in x's own precision: reflection below 1/2 (so at negative integers it is
+    huge but finite, from sin(pi x) rounding), six recurrence steps, then the asymptotic series."""
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(jnp.asarray(math.pi, x.dtype) * x)
+    result = jnp.where(reflect, -(math.pi**2) / (sin_pi_x * sin_pi_x), jnp.zeros_like(x))
+    y = jnp.where(reflect, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (y * y)
+        y = y + 1
+    ixx = 1 / (y * y)
+    result = result + (1 + 1 / (2 * y) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / y
+    return jnp.where(reflect, -result, result)
+
+
 @lower(aten.polygamma.default)
 def polygamma(n, self):
     x = _fl(self)
     if n == 0:
         return _digamma(x)
-    return jsp.polygamma(n, x)
+    if n == 1:
+        return _trigamma(x)
+    sign = 1.0 if n % 2 else -1.0
+    return (sign * math.factorial(n) * _hurwitz_zeta(n + 1, x)).astype(x.dtype)
 
 
 @lower(aten.mvlgamma.default)
