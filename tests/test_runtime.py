@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -15,21 +16,16 @@ _lib.define("cpu_only(Tensor x) -> Tensor")
 _lib.impl("cpu_only", lambda x: x * 2 + 1, "CPU")
 
 
-def test_strict_is_default_and_modes_switch():
-    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
-    with torch_tpu.set_eager_mode(EagerMode.DEBUG):
-        assert torch_tpu.get_eager_mode() is EagerMode.DEBUG
-        assert ((torch.ones(2, device="tpu") * 3).cpu() == 3).all()
-    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
-    with torch_tpu.set_eager_mode("debug"):
-        assert torch_tpu.get_eager_mode() is EagerMode.DEBUG
-    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
-
-
-def test_fused_mode_says_it_is_not_built():
-    with pytest.raises(NotImplementedError, match="FUSED"):
-        torch_tpu.set_eager_mode(EagerMode.FUSED)
-    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+def test_modes_switch_and_restore():
+    start = torch_tpu.get_eager_mode()
+    assert start.value == os.environ.get("TORCH_TPU_EAGER_MODE", "strict")  # strict unless the env says
+    for mode in (EagerMode.DEBUG, EagerMode.STRICT, EagerMode.FUSED, "debug"):
+        with torch_tpu.set_eager_mode(mode):
+            assert torch_tpu.get_eager_mode() is EagerMode(mode)
+            assert ((torch.ones(2, device="tpu") * 3).cpu() == 3).all()
+        assert torch_tpu.get_eager_mode() is start
+    with pytest.raises(ValueError):
+        torch_tpu.set_eager_mode("lazy")
 
 
 def test_metrics_count_ops():
@@ -69,14 +65,14 @@ def test_debug_mode_surfaces_errors_at_the_op():
             torch.ones(2, device="tpu") + torch.ones(3, device="tpu")
 
 
-def test_env_selects_mode(tmp_path):
+def test_env_selects_mode():
     import subprocess
     import sys
 
     code = "import torch_tpu; print(torch_tpu.get_eager_mode().value)"
-    for env, want in ({"TORCH_TPU_EAGER_MODE": "debug"}, "debug"), ({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, "debug"):
-        import os
-
+    cases = [({"TORCH_TPU_EAGER_MODE": "debug"}, "debug"), ({"TORCH_TPU_EAGER_MODE": "fused"}, "fused"),
+             ({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, "debug")]
+    for env, want in cases:
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "TORCH_TPU_PLATFORM": "cpu"},
                              capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want

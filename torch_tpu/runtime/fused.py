@@ -55,12 +55,13 @@ class _Ref:
 class Lazy:
     """A value that a pending node will produce. ``value`` is set when the trace runs."""
 
-    __slots__ = ("node", "index", "value", "shape", "dtype", "__weakref__")
+    __slots__ = ("node", "index", "value", "error", "shape", "dtype", "__weakref__")
 
     def __init__(self, node: Node, index: int, aval: Any) -> None:
         self.node: Node | None = node
         self.index = index
         self.value: Any = None
+        self.error: Exception | None = None
         self.shape = tuple(aval.shape)
         self.dtype = aval.dtype
 
@@ -125,10 +126,10 @@ def concrete(x: Any) -> Any:
     """The array behind a placeholder, running the pending trace if needed."""
     if type(x) is not Lazy:
         return x
-    if x.value is None:
+    if x.value is None and x.error is None:
         flush()
     if x.value is None:
-        raise RuntimeError("tpu: internal error: a fused value was dropped before it was computed")
+        raise RuntimeError(f"tpu: this tensor was never computed: the fused program producing it failed ({x.error})")
     return x.value
 
 
@@ -168,7 +169,12 @@ def flush(reason: str = "sync") -> None:
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
-        values, slots = cache.run_trace(tuple(wiring_all), want, args, sites, user_site(), reason)
+        try:
+            values, slots = cache.run_trace(tuple(wiring_all), want, args, sites, user_site(), reason)
+        except Exception as e:  # the trace is dropped; its tensors say why when read
+            for r in live:
+                r.error, r.node = e, None
+            raise
         for r in live:
             if r.node is None:
                 continue
