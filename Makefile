@@ -19,6 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check torch_tpu tests tools examples
 	$(BIN)/python -m pytest tests
+	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests
 
 opinfo: $(STAMP)
 	TORCH_TPU_OPINFO=all $(BIN)/python -m pytest tests/test_opinfo.py

@@ -159,3 +159,37 @@ def test_profile_writes_a_trace_and_summarises(tmp_path, fused_mode):
     assert "fused program" in text and "host->device" in text and "recompilations" in text
     assert "device->host: " in text
     assert any(p.suffix in (".pb", ".gz") or p.name.endswith(".xplane.pb") for p in (tmp_path / "trace").rglob("*"))
+
+
+_PERSIST_SCRIPT = """
+import torch, torch_tpu
+torch_tpu.set_eager_mode("fused")
+x = torch.arange(64.0).reshape(8, 8).to("tpu")
+for _ in range(5):
+    x = torch.tanh(x @ x * 0.01 + 1)
+print(round(x.sum().item(), 4))
+"""
+
+
+def test_persistent_cache_survives_corrupt_entries(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_CACHE_MIN_COMPILE_SECONDS": "0",
+           "TORCH_TPU_PLATFORM": "cpu"}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", _PERSIST_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    entries = [p for p in tmp_path.iterdir() if p.is_file()]
+    assert entries, "the fused program must be written to the persistent cache"
+    for p in entries:
+        p.write_bytes(b"not an executable")
+    second = run()
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert "Error reading persistent compilation cache entry" in second.stderr
