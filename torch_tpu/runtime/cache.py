@@ -91,7 +91,7 @@ def explain(old: Any, new: Any, sites: list) -> str:
     return "the same ops, but other values are kept alive as outputs"
 
 
-def _build(key: Any, outputs: list, args: list) -> tuple[Any, float]:
+def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tuple[Any, float]:
     def replay(*a: Any) -> list:
         env: list = []
         for program, wiring in key:
@@ -101,18 +101,21 @@ def _build(key: Any, outputs: list, args: list) -> tuple[Any, float]:
         return [env[i][j] for i, j in outputs]
 
     t0 = time.perf_counter()
-    compiled = jax.jit(replay).lower(*args).compile()
+    compiled = jax.jit(replay, donate_argnums=donate).lower(*args).compile()
     return compiled, time.perf_counter() - t0
 
 
-def run_trace(key: Any, want: list, args: list, sites: list, flush_site: Any, reason: str) -> tuple[list, dict]:
-    """Runs one trace: a cached executable when its fingerprint matches, else a fresh compile."""
+def run_trace(
+    key: Any, donate: tuple[int, ...], want: list, args: list, sites: list, flush_site: Any, reason: str
+) -> tuple[list, dict]:
+    """Runs one trace: a cached executable when its fingerprint matches, else a fresh compile.
+    ``donate``: the positions of inputs whose buffers the program may reuse."""
     _stats["requests"] += 1
-    entry = _entries.get(key)
+    entry = _entries.get((key, donate))
     if entry is None or not entry.outputs.issuperset(want):
         outputs = sorted(set(want) | (entry.outputs if entry else set()))
         try:
-            compiled, seconds = _build(key, outputs, args)
+            compiled, seconds = _build(key, donate, outputs, args)
         except Exception as e:
             raise _trace_error(e, key, sites) from e
         site = (flush_site, reason)
@@ -121,7 +124,7 @@ def run_trace(key: Any, want: list, args: list, sites: list, flush_site: Any, re
             why = explain(previous, key, sites) if entry is None else "new outputs are kept alive"
             _record_recompile(site, why)
         _last_key_at_site[site] = key
-        entry = _entries[key] = Entry(
+        entry = _entries[(key, donate)] = Entry(
             fingerprint=_fingerprint(key),
             ops=len(key),
             outputs=frozenset(outputs),

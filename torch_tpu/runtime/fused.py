@@ -137,6 +137,31 @@ def pending_count() -> int:
     return len(_pending)
 
 
+def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]:
+    """Inputs that nothing outside this trace still holds (a parameter whose storage now points at
+    the updated value): XLA may write the outputs into their buffers. Only inputs with an output of
+    the same shape and dtype are offered, so no donation goes unused."""
+    uses: dict[int, int] = {}
+    for _, wiring in wiring_all:
+        for w in wiring:
+            if w[0] == "a":
+                uses[w[1]] = uses.get(w[1], 0) + 1
+    free: dict[tuple, int] = {}
+    for a in out_avals:
+        k = (tuple(a.shape), str(a.dtype))
+        free[k] = free.get(k, 0) + 1
+    donate = []
+    for p, count in uses.items():
+        a = args[p]
+        # references: the args list, one per use in the recorded nodes, and getrefcount's own
+        if isinstance(a, jax.Array) and sys.getrefcount(a) <= count + 2:
+            k = (tuple(a.shape), str(a.dtype))
+            if free.get(k):
+                free[k] -= 1
+                donate.append(p)
+    return tuple(sorted(donate))
+
+
 def flush(reason: str = "sync") -> None:
     """Compiles (or finds in the cache) and runs the pending trace."""
     with _lock:
@@ -169,8 +194,10 @@ def flush(reason: str = "sync") -> None:
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
+        del x, n
+        donate = _donatable(args, wiring_all, [_avals_of(nodes[i])[j] for i, j in want])
         try:
-            values, slots = cache.run_trace(tuple(wiring_all), want, args, sites, user_site(), reason)
+            values, slots = cache.run_trace(tuple(wiring_all), donate, want, args, sites, user_site(), reason)
         except Exception as e:  # the trace is dropped; its tensors say why when read
             for r in live:
                 r.error, r.node = e, None
