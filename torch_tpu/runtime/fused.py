@@ -152,10 +152,9 @@ def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]
         free[k] = free.get(k, 0) + 1
     donate = []
     for p, count in uses.items():
-        a = args[p]
         # references: the args list, one per use in the recorded nodes, and getrefcount's own
-        if isinstance(a, jax.Array) and sys.getrefcount(a) <= count + 2:
-            k = (tuple(a.shape), str(a.dtype))
+        if isinstance(args[p], jax.Array) and sys.getrefcount(args[p]) <= count + 2:
+            k = (tuple(args[p].shape), str(args[p].dtype))
             if free.get(k):
                 free[k] -= 1
                 donate.append(p)
