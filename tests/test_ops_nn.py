@@ -54,8 +54,8 @@ def check(fn, *inputs: torch.Tensor, grad: bool = True, **tol) -> None:
     [dict(), dict(stride=2, padding=1), dict(dilation=2, padding=2, groups=2), dict(padding="same", dilation=3)],
 )
 def test_conv2d(kw):
-    check(lambda x, w, b: F.conv2d(x, w, b, **kw), torch.randn(2, 4, 9, 8), torch.randn(6, 4 // kw.get("groups", 1), 3, 3),
-          torch.randn(6))
+    w = torch.randn(6, 4 // kw.get("groups", 1), 3, 3)
+    check(lambda x, w, b: F.conv2d(x, w, b, **kw), torch.randn(2, 4, 9, 8), w, torch.randn(6))
 
 
 def test_conv1d_and_conv3d():
@@ -64,7 +64,9 @@ def test_conv1d_and_conv3d():
           torch.randn(3, 2, 3, 3, 3), torch.randn(3))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(stride=2, padding=1, output_padding=1), dict(groups=2, dilation=2, stride=3)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(stride=2, padding=1, output_padding=1), dict(groups=2, dilation=2, stride=3)]
+)
 def test_conv_transpose2d(kw):
     check(lambda x, w, b: F.conv_transpose2d(x, w, b, **kw), torch.randn(2, 4, 5, 6), torch.randn(4, 3, 3, 2),
           torch.randn(3 * kw.get("groups", 1)))
@@ -158,7 +160,8 @@ def test_norm_errors():
 
 # ------------------------------------------------------------------------------------ pooling
 @pytest.mark.parametrize(
-    "kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=3, dilation=2, ceil_mode=True)]
+    "kw",
+    [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=3, dilation=2, ceil_mode=True)],
 )
 def test_max_pool2d(kw):
     check(lambda x: F.max_pool2d(x, **kw), torch.randn(2, 3, 9, 10))
@@ -210,11 +213,14 @@ def test_pointwise_losses(reduction):
     check(lambda x, y: F.smooth_l1_loss(x, y, reduction=reduction, beta=0.5), x, y)
     check(lambda x, y: F.smooth_l1_loss(x, y, reduction=reduction, beta=0.0), x, y)
     check(lambda x, y: F.huber_loss(x, y, reduction=reduction, delta=0.7), x, y)
-    check(lambda x, y: F.soft_margin_loss(x, y, reduction=reduction), x, y.sign())
+    sign = y.sign()
+    check(lambda x: F.soft_margin_loss(x, sign.to(x.device), reduction=reduction), x)
     p, t = torch.rand(4, 5) * 0.98 + 0.01, torch.rand(4, 5)
-    check(lambda p, t, w: F.binary_cross_entropy(p, t, w, reduction=reduction), p, t, torch.rand(5))
-    check(lambda x, t, w, pw: F.binary_cross_entropy_with_logits(x, t, w, reduction=reduction, pos_weight=pw),
-          x * 5, t, torch.rand(5), torch.rand(5))
+    w = torch.rand(5)
+    check(lambda p, t: F.binary_cross_entropy(p, t, w.to(p.device), reduction=reduction), p, t)
+    pw = torch.rand(5)
+    check(lambda x, t: F.binary_cross_entropy_with_logits(x, t, w.to(x.device), reduction=reduction,
+                                                          pos_weight=pw.to(x.device)), x * 5, t)
     check(lambda x, t: F.kl_div(x, t, reduction="batchmean" if reduction == "mean" else reduction),
           x.log_softmax(-1), t.softmax(-1))
 
@@ -224,9 +230,11 @@ def test_nll_and_cross_entropy(reduction):
     x = torch.randn(6, 5).log_softmax(-1)
     t = torch.tensor([0, 4, 2, -100, 1, 2])
     check(lambda x: F.nll_loss(x, t.to(x.device), reduction=reduction), x)
-    check(lambda x, w: F.nll_loss(x, t.to(x.device), w, reduction=reduction, ignore_index=2), x, torch.rand(5))
+    w, t2 = torch.rand(5), torch.tensor([0, 4, 2, 3, 1, 2])
+    check(lambda x: F.nll_loss(x, t2.to(x.device), w.to(x.device), reduction=reduction, ignore_index=2), x)
     x2 = torch.randn(2, 5, 3, 4)
     t2 = torch.randint(0, 5, (2, 3, 4))
+    t2[0, 0, 0] = -100
     check(lambda x: F.nll_loss(x, t2.to(x.device), reduction=reduction), x2)
     check(lambda x: F.cross_entropy(x, t2.to(x.device), reduction=reduction, label_smoothing=0.1), x2)
     check(lambda x: F.nll_loss(x, torch.tensor(3, device=x.device), reduction=reduction), torch.randn(5))
@@ -249,8 +257,8 @@ def test_margin_losses():
     check(lambda x: F.multilabel_margin_loss(x, t.to(x.device), reduction="none"), x)
     y = torch.tensor([1, 0, 4, 2])
     check(lambda x: F.multi_margin_loss(x, y.to(x.device)), x)
-    check(lambda x, w: F.multi_margin_loss(x, y.to(x.device), p=2, margin=0.5, weight=w, reduction="sum"), x,
-          torch.rand(5))
+    w = torch.rand(5)
+    check(lambda x: F.multi_margin_loss(x, y.to(x.device), p=2, margin=0.5, weight=w.to(x.device), reduction="sum"), x)
 
 
 # --------------------------------------------------------------------------------- embeddings
@@ -271,7 +279,8 @@ def test_embedding_bag(mode):
     check(lambda w: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode, padding_idx=4), w)
     check(lambda w: F.embedding_bag(idx.reshape(2, 4).to(w.device), w, mode=mode), w)
     if mode == "sum":
-        check(lambda w, p: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode, per_sample_weights=p,
+        last = torch.tensor([0, 2, 2, 5, 8])
+        check(lambda w, p: F.embedding_bag(idx.to(w.device), w, last.to(w.device), mode=mode, per_sample_weights=p,
                                            include_last_offset=True), w, torch.rand(8))
 
 
@@ -305,7 +314,7 @@ def test_pixel_shuffle_unfold_fold_pdist():
     check(lambda x: F.pixel_shuffle(x, 2), torch.randn(2, 8, 3, 4))
     check(lambda x: F.pixel_unshuffle(x, 2), torch.randn(2, 2, 6, 4))
     check(lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=2), torch.randn(2, 3, 7, 8))
-    check(lambda x: F.fold(x, (5, 6), (2, 2), padding=1), torch.randn(2, 12, 30))
+    check(lambda x: F.fold(x, (5, 6), (2, 2), padding=1), torch.randn(2, 12, 42))
     for p in (1.0, 2.0, 3.0, float("inf")):
         check(lambda x, p=p: F.pdist(x, p), torch.randn(5, 4))
 

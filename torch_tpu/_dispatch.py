@@ -276,13 +276,15 @@ def register_lowerings() -> int:
     """Registers kernels for every lowering in the table; returns how many."""
     n = 0
     for op, lowering in LOWERINGS.items():
+        if lowering.graph_only:
+            continue
         kind = "inplace" if is_mutating(op) else "functional"
         todo = [(op, kind)] + (_twins(op) if kind == "functional" else [])
         for target, k in todo:
             if str(target) in REGISTERED or _has_kernel(target, "CompositeImplicitAutograd"):
                 continue
-            if k != "functional" and target in LOWERINGS:
-                continue
+            if target is not op and target in LOWERINGS:
+                continue  # a twin with a lowering of its own
             register_kernel(target, _OpKernel(target, lowering, k), f"lowering ({k})")
             n += 1
     return n

@@ -139,6 +139,24 @@ for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.defa
     register_kernel(_op, _view_kernel(_op), "view (meta)")
 
 
+@kernel(aten.as_strided_.default)
+def _as_strided_(t: torch.Tensor, size, stride, storage_offset=None) -> torch.Tensor:
+    """The in-place view ops (unsqueeze_, transpose_, t_, squeeze_, ...) all land here: new
+    geometry over the same storage, checked against the base array's size as CPU checks it."""
+    offset = t.storage_offset() if storage_offset is None else storage_offset
+    st = t.untyped_storage()
+    numel = math.prod(st._shape)
+    if all(s > 0 for s in size):
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= numel:
+            raise RuntimeError(
+                f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset} are out of "
+                f"bounds for storage of {numel} elements"
+            )
+    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, st, offset, list(size), list(stride))
+    return t
+
+
 @kernel(aten.view.dtype)
 def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # A bit reinterpretation cannot share a typed array: it is a copy, with a clear note in the docs.

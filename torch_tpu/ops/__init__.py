@@ -4,12 +4,15 @@ from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
     conv,
     elementwise,
     factories,
+    fft,
+    graph,
     indexing,
     linalg,
     nn,
     random,
     reduction,
     shape,
+    special,
 )
 from torch_tpu.ops._registry import LOWERINGS, Lowering, lower
 

@@ -27,12 +27,15 @@ class Lowering:
     ``random``: the function takes a jax PRNG key as its first argument.
     ``check``: called with the op's torch arguments before every run, for what a meta kernel
     cannot see (index values out of range); it raises the error CPU would raise.
+    ``graph_only``: used by ``torch.compile`` graphs only (views and factories, which eager mode
+    serves with torch's own view kernels and hand-written kernels).
     """
 
     fn: Callable
     static_scalars: bool = False
     random: bool = False
     check: Callable | None = None
+    graph_only: bool = False
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -61,7 +64,11 @@ def dispatcher_overloads(packet: torch._ops.OpOverloadPacket) -> list[torch._ops
 
 
 def lower(
-    *targets, static_scalars: bool = False, random: bool = False, check: Callable | None = None
+    *targets,
+    static_scalars: bool = False,
+    random: bool = False,
+    check: Callable | None = None,
+    graph_only: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 
@@ -71,7 +78,7 @@ def lower(
     """
 
     def deco(fn: Callable) -> Callable:
-        entry = Lowering(fn, static_scalars, random, check)
+        entry = Lowering(fn, static_scalars, random, check, graph_only)
         for target in targets:
             if isinstance(target, torch._ops.OpOverloadPacket):
                 mutating = target._qualified_op_name.endswith("_")
@@ -81,7 +88,11 @@ def lower(
             else:
                 ops = [target]
             for op in ops:
-                if op in LOWERINGS:
+                if graph_only and op in LOWERINGS:
+                    continue  # eager already lowers it; graphs use that
+                if op in LOWERINGS and LOWERINGS[op].graph_only:
+                    pass  # an eager lowering supersedes a graph-only one
+                elif op in LOWERINGS:
                     raise ValueError(f"lower: {op} is lowered twice")
                 LOWERINGS[op] = entry
         return fn

@@ -171,6 +171,9 @@ def batch_norm_math(input, weight, bias, running_mean, running_var, training, mo
     return out, mean, invstd, new_rm, new_rv
 
 
+_FUNCTIONAL_BN = (aten._native_batch_norm_legit_functional.default, aten._batch_norm_with_update_functional.default)
+
+
 def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, reserve: bool) -> Callable:
     """A kernel for one batch-norm entry point: runs the math and writes running stats in place."""
     name = str(op)
@@ -192,7 +195,7 @@ def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, r
         out, mean, invstd, new_rm, new_rv = run_jax(
             "batch_norm", _bn_program, {"training": training}, dyn, dtypes
         )
-        functional = op in (aten._native_batch_norm_legit_functional.default, aten._batch_norm_with_update_functional.default)
+        functional = op in _FUNCTIONAL_BN
         if training and not functional:
             if rm is not None:
                 write(rm, new_rm)
@@ -472,11 +475,11 @@ lower(aten.avg_pool2d_backward.default)(_avg_pool_backward(2))
 lower(aten.avg_pool3d_backward.default)(_avg_pool_backward(3))
 
 
-def _adaptive_index(L: int, O: int) -> tuple[np.ndarray, np.ndarray]:
+def _adaptive_index(L: int, out: int) -> tuple[np.ndarray, np.ndarray]:
     """Window (O, K) of input positions for adaptive pooling, and which of them are real."""
-    start = (np.arange(O) * L) // O
-    end = -((-(np.arange(O) + 1) * L) // O)
-    K = int((end - start).max()) if O else 1
+    start = (np.arange(out) * L) // out
+    end = -((-(np.arange(out) + 1) * L) // out)
+    K = int((end - start).max()) if out else 1
     idx = start[:, None] + np.arange(K)[None, :]
     valid = idx < end[:, None]
     return np.minimum(idx, L - 1), valid
@@ -491,8 +494,8 @@ def _adaptive_windows(x, output_size, fill):
     flat = np.zeros((), np.int64)
     valid_all = np.ones((), bool)
     stride_in = math.prod(sizes)
-    for i, (L, O) in enumerate(zip(sizes, output_size)):
-        idx, valid = _adaptive_index(L, O)
+    for i, (L, size) in enumerate(zip(sizes, output_size)):
+        idx, valid = _adaptive_index(L, size)
         x = jnp.take(x, jnp.asarray(idx.reshape(-1)), axis=lead + 2 * i).reshape(
             x.shape[: lead + 2 * i] + idx.shape + x.shape[lead + 2 * i + 1:]
         )
@@ -521,13 +524,17 @@ def adaptive_avg_pool(self, output_size):
     return _adaptive_avg(self, output_size)
 
 
-@lower(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
-def adaptive_avg_pool_backward(grad_output, self):
-    n = 2 if grad_output.ndim <= 4 and self.ndim <= 4 else 3
-    n = min(n, grad_output.ndim - 1)
-    out = grad_output.shape[grad_output.ndim - n:]
-    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, out), _acc(self))
-    return vjp(_acc(grad_output))[0]
+def _adaptive_avg_backward(n: int) -> Callable:
+    def backward(grad_output, self):
+        out = grad_output.shape[grad_output.ndim - n:]
+        _, vjp = jax.vjp(lambda x: _adaptive_avg(x, out), _acc(self))
+        return vjp(_acc(grad_output))[0]
+
+    return backward
+
+
+lower(aten._adaptive_avg_pool2d_backward.default)(_adaptive_avg_backward(2))
+lower(aten._adaptive_avg_pool3d_backward.default)(_adaptive_avg_backward(3))
 
 
 def _adaptive_max(self, output_size):
@@ -558,7 +565,8 @@ def _check_unpool_indices(self, indices, output_size, *rest, **kw):
     idx = read(indices)
     if idx.size and bool(jnp.any((idx < 0) | (idx >= limit))):
         bad = int(idx[(idx < 0) | (idx >= limit)][0])
-        raise RuntimeError(f"Found an invalid max index: {bad} (output volumes are of size {'x'.join(map(str, output_size))}")
+        sizes = "x".join(map(str, output_size))
+        raise RuntimeError(f"Found an invalid max index: {bad} (output volumes are of size {sizes}")
 
 
 def _max_unpool(self, indices, output_size):
@@ -861,14 +869,14 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         n, k = indices.shape
         indices, offsets = indices.reshape(-1), jnp.arange(n) * k
     offset2bag, n_bags = _bags(indices, offsets, include_last_offset)
+    # as on CPU, indices past the last offset belong to the last bag, even with include_last_offset
     keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
-    if include_last_offset:
-        keep = keep & (jnp.arange(indices.shape[0]) < offsets[-1])
     w = _acc(weight)
     rows = jnp.take(w, indices, axis=0)
     if per_sample_weights is not None:
         rows = rows * _acc(per_sample_weights)[:, None]
-    bag_size = jnp.zeros((n_bags,), jnp.int64).at[offset2bag].add(keep.astype(jnp.int64))
+    # the meta kernel sizes bag_size by the offsets (one more than the bags with include_last_offset)
+    bag_size = jnp.zeros((offsets.shape[0],), jnp.int64).at[offset2bag].add(keep.astype(jnp.int64))
     if mode == 2:
         vals = jnp.where(keep[:, None], rows, -jnp.inf)
         best = jnp.full((n_bags, w.shape[1]), -jnp.inf, w.dtype).at[offset2bag].max(vals)
@@ -876,12 +884,16 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         first = jnp.full(best.shape, indices.shape[0], jnp.int64).at[offset2bag].min(
             jnp.where(vals == best[offset2bag], pos, indices.shape[0])
         )
-        max_indices = jnp.where(bag_size[:, None] > 0, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
-        out = jnp.where(bag_size[:, None] > 0, best, 0)
+        nonempty = bag_size[:n_bags, None] > 0
+        max_indices = jnp.where(nonempty, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
+        out = jnp.where(nonempty, best, 0)
     else:
-        out = jnp.zeros((n_bags, w.shape[1]), w.dtype).at[offset2bag].add(jnp.where(keep[:, None], rows, 0))
+        summed = keep
+        if include_last_offset:  # CPU sums only up to the last offset (but still counts the rest for mean)
+            summed = keep & (jnp.arange(indices.shape[0]) < offsets[-1])
+        out = jnp.zeros((n_bags, w.shape[1]), w.dtype).at[offset2bag].add(jnp.where(summed[:, None], rows, 0))
         if mode == 1:
-            out = out / jnp.maximum(bag_size, 1)[:, None].astype(w.dtype)
+            out = out / jnp.maximum(bag_size[:n_bags], 1)[:, None].astype(w.dtype)
         max_indices = jnp.zeros((0,), jnp.int64)
     return out, offset2bag, bag_size, max_indices
 
@@ -900,7 +912,7 @@ def _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, nu
     if mode == 2:
         mi = maximum_indices.reshape(-1)
         cols = jnp.tile(jnp.arange(g.shape[1]), g.shape[0])
-        ok = jnp.repeat(bag_size > 0, g.shape[1])
+        ok = jnp.repeat(bag_size[: g.shape[0]] > 0, g.shape[1])
         out = jnp.zeros((num_weights, g.shape[1]), g.dtype)
         return out.at[jnp.where(ok, mi, num_weights), cols].add(g.reshape(-1), mode="drop")
     rows = g[offset2bag]
@@ -965,9 +977,9 @@ def _nearest_index(in_size: int, out_size: int, scale, exact: bool, dt):
 
 def _upsample_nearest(x, output_size, scales, exact):
     n = len(output_size)
-    for i, (O, s) in enumerate(zip(output_size, scales)):
+    for i, (size, s) in enumerate(zip(output_size, scales)):
         axis = x.ndim - n + i
-        x = jnp.take(x, _nearest_index(x.shape[axis], O, s, exact, _index_dtype(x)), axis=axis)
+        x = jnp.take(x, _nearest_index(x.shape[axis], size, s, exact, _index_dtype(x)), axis=axis)
     return x
 
 
@@ -1006,8 +1018,8 @@ def _interp_axis(x, axis, out_size, align_corners, scale, cubic):
 def _upsample_interp(x, output_size, align_corners, scales, cubic=False):
     n = len(output_size)
     x = _acc(x)
-    for i, (O, s) in enumerate(zip(output_size, scales)):
-        x = _interp_axis(x, x.ndim - n + i, O, align_corners, s, cubic)
+    for i, (size, s) in enumerate(zip(output_size, scales)):
+        x = _interp_axis(x, x.ndim - n + i, size, align_corners, s, cubic)
     return x
 
 
@@ -1146,3 +1158,76 @@ def _pdist_backward(grad, self, p, pdist):
     pair = jnp.where(nz | (p == 1), pair, 0)
     out = jnp.zeros_like(x).at[i].add(pair).at[j].add(-pair)
     return out
+
+
+# ============================================================================ fused RNN cells
+# torch runs nn.LSTM / nn.GRU on a non-CPU device through these CUDA-style fused cells. The
+# workspace holds the activated gates, which the backward reads back.
+@lower(aten._thnn_fused_lstm_cell.default)
+def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = _acc(input_gates) + _acc(hidden_gates)
+    if input_bias is not None:
+        gates = gates + _acc(input_bias) + _acc(hidden_bias)
+    i, f, g, o = jnp.split(gates, 4, axis=-1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * _acc(cx) + i * g
+    return o * jnp.tanh(cy), cy, jnp.concatenate([i, f, g, o], axis=-1)
+
+
+def _lstm_cell_backward(cx, cy, workspace, has_bias, grad_hy=None, grad_cy=None):
+    i, f, g, o = jnp.split(_acc(workspace), 4, axis=-1)
+    cy, cx = _acc(cy), _acc(cx)
+    gh = jnp.zeros_like(cy) if grad_hy is None else _acc(grad_hy)
+    gc = jnp.zeros_like(cy) if grad_cy is None else _acc(grad_cy)
+    tcy = jnp.tanh(cy)
+    gcy = gh * o * (1 - tcy * tcy) + gc
+    grad_gates = jnp.concatenate(
+        [gcy * g * i * (1 - i), gcy * cx * f * (1 - f), gcy * i * (1 - g * g), gh * tcy * o * (1 - o)], axis=-1
+    )
+    res = [grad_gates, gcy * f]
+    if has_bias:
+        res.append(grad_gates.sum(0))
+    return tuple(res)
+
+
+jax_kernel(aten._thnn_fused_lstm_cell_backward_impl.default, _lstm_cell_backward)
+
+
+def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    ig, hg, h = _acc(input_gates), _acc(hidden_gates), _acc(hx)
+    if input_bias is not None:
+        ig, hg = ig + _acc(input_bias), hg + _acc(hidden_bias)
+    ir, ii, inn = jnp.split(ig, 3, axis=-1)
+    hr, hi, hn = jnp.split(hg, 3, axis=-1)
+    r, z = jax.nn.sigmoid(ir + hr), jax.nn.sigmoid(ii + hi)
+    n = jnp.tanh(inn + r * hn)
+    return n + z * (h - n), jnp.concatenate([r, z, n, h, hn], axis=-1)
+
+
+def _gru_cell_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    b, h = hx.shape
+    return torch.empty_like(hx), input_gates.new_empty((b, 5 * h))
+
+
+def _gru_cell_backward(grad_hy, workspace, has_bias):
+    r, z, n, hx, hn = jnp.split(_acc(workspace), 5, axis=-1)
+    gh = _acc(grad_hy)
+    gn = gh * (1 - z) * (1 - n * n)
+    gz = gh * (hx - n) * z * (1 - z)
+    gr = gn * hn * r * (1 - r)
+    g_in, g_hid = jnp.concatenate([gr, gz, gn], -1), jnp.concatenate([gr, gz, gn * r], -1)
+    res = [g_in, g_hid, gh * z]
+    if has_bias:
+        res += [g_in.sum(0), g_hid.sum(0)]
+    return tuple(res)
+
+
+def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
+    b, h = grad_hy.shape
+    gates = grad_hy.new_empty((b, 3 * h))
+    bias = grad_hy.new_empty((3 * h,)) if has_bias else None
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, bias
+
+
+jax_kernel(aten._thnn_fused_gru_cell.default, _gru_cell, meta=_gru_cell_meta)
+jax_kernel(aten._thnn_fused_gru_cell_backward.default, _gru_cell_backward, meta=_gru_cell_backward_meta)

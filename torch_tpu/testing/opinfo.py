@@ -97,7 +97,14 @@ def _sample_call(op, sample, to_dev):
     inp = tree_map(to_dev, sample.input)
     args = tree_map(to_dev, sample.args)
     kwargs = tree_map(to_dev, sample.kwargs)
-    return inp, args, kwargs, op(inp, *args, **kwargs)
+    # as PyTorch's own OpInfo tests do: e.g. eigh's eigenvectors are compared up to sign
+    return inp, args, kwargs, sample.output_process_fn_grad(op(inp, *args, **kwargs))
+
+
+def _random_sample(sample) -> bool:
+    """Samples that ask for dropout give random results (attention ops take a dropout_p)."""
+    p = sample.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, float) and p > 0.0
 
 
 def _leaves(*trees: Any) -> list[torch.Tensor]:
@@ -126,6 +133,8 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
         torch.manual_seed(0)  # the same samples whatever ran before
         samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples))
         for s in samples:
+            if _random_sample(s):
+                continue
             try:
                 *_, cpu_out = _sample_call(op, s, lambda x: x)
             except Exception:
@@ -148,6 +157,8 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
         torch.manual_seed(0)
         samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=True), max_samples))
         for s in samples:
+            if _random_sample(s):
+                continue
             try:
                 cin, cargs, ckw, cout = _sample_call(op, s, lambda x: x)
                 cg = _grads(cout, _leaves(cin, cargs, ckw))

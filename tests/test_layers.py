@@ -1,0 +1,214 @@
+"""Layer-level parity: torch.nn modules on tpu (a deepcopy of the CPU module) match CPU.
+
+Forward outputs and every parameter and input gradient are compared; a few short training runs
+check that losses and weights stay equal through optimizer steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _cotangent(out: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) % 7 - 3) / 3
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def check_module(module: nn.Module, *inputs: torch.Tensor, call=None, tol=None) -> nn.Module:
+    """Forward and backward of ``module`` agree on CPU and tpu; returns the tpu module."""
+    tol = tol or TOL
+    call = call or (lambda m, *xs: _first(m(*xs)))
+    tpu_module = copy.deepcopy(module).to("tpu")
+    cx = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    tx = [x.detach().to("tpu").requires_grad_(x.is_floating_point()) for x in inputs]
+    co, to = call(module, *cx), call(tpu_module, *tx)
+    torch.testing.assert_close(to.cpu(), co, **tol)
+    w = _cotangent(co)
+    co.backward(w)
+    to.backward(w.to("tpu"))
+    for a, b in zip(cx, tx, strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad.cpu(), a.grad, **tol)
+    for (name, p), q in zip(module.named_parameters(), tpu_module.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.cpu(), p.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    for (name, b), c in zip(module.named_buffers(), tpu_module.buffers(), strict=True):
+        torch.testing.assert_close(c.cpu(), b, **tol, msg=lambda m, name=name: f"buffer {name}: {m}")
+    return tpu_module
+
+
+def test_linear():
+    check_module(nn.Linear(7, 5), torch.randn(3, 7))
+    check_module(nn.Linear(7, 5, bias=False), torch.randn(2, 3, 7))
+
+
+@pytest.mark.parametrize(
+    "module,shape",
+    [
+        (nn.Conv1d(3, 4, 3, stride=2, padding=1), (2, 3, 10)),
+        (nn.Conv2d(4, 6, 3, padding=1, groups=2), (2, 4, 7, 6)),
+        (nn.Conv2d(3, 4, (3, 2), stride=(2, 1), dilation=(1, 2), padding_mode="reflect", padding=1), (2, 3, 8, 8)),
+        (nn.Conv3d(2, 3, 3, padding=1), (1, 2, 4, 5, 3)),
+        (nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1), (2, 4, 5, 5)),
+    ],
+)
+def test_conv_layers(module, shape):
+    check_module(module, torch.randn(shape))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm(train):
+    cases = ((nn.BatchNorm1d(4), (6, 4)), (nn.BatchNorm1d(4), (3, 4, 5)), (nn.BatchNorm2d(3), (4, 3, 5, 5)))
+    for module, shape in cases:
+        module.running_mean.uniform_(-1, 1)
+        module.running_var.uniform_(0.5, 2)
+        module.train(train)
+        tpu_module = check_module(module, torch.randn(shape))
+        assert int(tpu_module.num_batches_tracked.cpu()) == int(module.num_batches_tracked)
+
+
+def test_norm_layers():
+    check_module(nn.LayerNorm((5, 6)), torch.randn(3, 4, 5, 6))
+    check_module(nn.GroupNorm(2, 4), torch.randn(3, 4, 5, 6))
+    check_module(nn.RMSNorm(6), torch.randn(3, 4, 6))
+    check_module(nn.InstanceNorm2d(3, affine=True), torch.randn(2, 3, 5, 5))
+
+
+def test_embeddings():
+    idx = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    check_module(nn.Embedding(10, 4, padding_idx=3), idx)
+    check_module(nn.EmbeddingBag(10, 4, mode="mean"), idx)
+    check_module(nn.EmbeddingBag(10, 4, mode="max"), torch.tensor([1, 2, 4, 4, 3]), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_recurrent(cls):
+    # batch_first GRU uses aten.transpose_, a core in-place view op (its kernel is not in this family)
+    check_module(cls(5, 6, num_layers=2, batch_first=cls is nn.LSTM), torch.randn(3, 4, 5))
+    check_module(cls(5, 6, bidirectional=True), torch.randn(4, 2, 5))
+
+
+def test_attention():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    q, k = torch.randn(2, 5, 8), torch.randn(2, 6, 8)
+    check_module(mha, q, k, k, call=lambda m, q, k, v: m(q, k, v)[0])
+    mha.zero_grad(set_to_none=True)
+    check_module(mha, q, call=lambda m, q: m(q, q, q, need_weights=False)[0])
+    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    sdpa = F.scaled_dot_product_attention
+    check_module(nn.Identity(), q, k, v, call=lambda m, q, k, v: sdpa(q, k, v, is_causal=True))
+    mask = torch.rand(5, 5) > 0.3
+    mask.fill_diagonal_(True)
+    check_module(nn.Identity(), q, k, v,
+                 call=lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device)))
+
+
+def test_pooling_layers():
+    x = torch.randn(2, 3, 9, 8)
+    check_module(nn.MaxPool2d(3, 2, 1), x)
+    check_module(nn.AvgPool2d(3, 2, 1), x)
+    check_module(nn.AdaptiveAvgPool2d((4, 3)), x)
+    check_module(nn.AdaptiveMaxPool2d(2), x)
+    check_module(nn.MaxPool1d(2), torch.randn(2, 3, 9))
+
+
+@pytest.mark.parametrize(
+    "loss,make",
+    [
+        (nn.MSELoss(), lambda: (torch.randn(4, 5), torch.randn(4, 5))),
+        (nn.L1Loss(), lambda: (torch.randn(4, 5), torch.randn(4, 5))),
+        (nn.SmoothL1Loss(beta=0.5), lambda: (torch.randn(4, 5), torch.randn(4, 5))),
+        (nn.HuberLoss(delta=0.5), lambda: (torch.randn(4, 5), torch.randn(4, 5))),
+        (nn.CrossEntropyLoss(label_smoothing=0.1), lambda: (torch.randn(4, 5), torch.tensor([0, 3, 4, 1]))),
+        (nn.NLLLoss(), lambda: (torch.randn(4, 5).log_softmax(-1), torch.tensor([0, 3, 4, 1]))),
+        (nn.BCELoss(), lambda: (torch.rand(4, 5) * 0.9 + 0.05, torch.rand(4, 5))),
+        (nn.BCEWithLogitsLoss(), lambda: (torch.randn(4, 5), torch.rand(4, 5))),
+        (nn.KLDivLoss(reduction="batchmean"), lambda: (torch.randn(4, 5).log_softmax(-1), torch.rand(4, 5))),
+        (nn.SoftMarginLoss(), lambda: (torch.randn(4, 5), torch.randn(4, 5).sign())),
+        (nn.MultiLabelSoftMarginLoss(), lambda: (torch.randn(4, 5), (torch.rand(4, 5) > 0.5).float())),
+        (nn.MultiMarginLoss(), lambda: (torch.randn(4, 5), torch.tensor([0, 3, 4, 1]))),
+    ],
+)
+def test_losses(loss, make):
+    x, target = make()
+    check_module(loss, x, call=lambda m, x: m(x, target.to(x.device)))
+
+
+# --------------------------------------------------------------------------- training parity
+def _train(model: nn.Module, batches, loss_fn, steps: int = 4, lr: float = 0.05) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in batches[:steps]:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _training_parity(model: nn.Module, batches, loss_fn, rel: float = 1e-4) -> None:
+    tpu_model = copy.deepcopy(model).to("tpu")
+    tpu_batches = [(x.to("tpu"), y.to("tpu")) for x, y in batches]
+    cpu_losses = _train(model, batches, loss_fn)
+    tpu_losses = _train(tpu_model, tpu_batches, loss_fn)
+    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses), rtol=rel, atol=1e-6)
+    for (name, p), q in zip(model.state_dict().items(), tpu_model.state_dict().values(), strict=True):
+        torch.testing.assert_close(q.cpu(), p, rtol=rel, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_train_mlp():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    batches = [(torch.randn(10, 8), torch.randint(0, 3, (10,))) for _ in range(4)]
+    _training_parity(model, batches, F.cross_entropy)
+
+
+def test_train_cnn_with_batch_norm():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    batches = [(torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,))) for _ in range(4)]
+    _training_parity(model, batches, F.cross_entropy)
+
+
+class _LSTMRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def test_train_lstm():
+    batches = [(torch.randn(5, 6, 4), torch.randn(5, 1)) for _ in range(4)]
+    _training_parity(_LSTMRegressor(), batches, F.mse_loss)
+
+
+class _TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(x))).flatten(0, 1)
+
+
+def test_train_transformer():
+    batches = [(torch.randint(0, 20, (3, 7)), torch.randint(0, 20, (21,))) for _ in range(4)]
+    _training_parity(_TinyTransformer(), batches, F.cross_entropy)

@@ -1,0 +1,159 @@
+"""The ``torch.compile`` backend.
+
+Dynamo captures a graph; AOTAutograd splits it into functional forward and backward ATen graphs,
+decomposed to core ATen. Each graph is lowered node by node through :data:`LOWERINGS` (the same
+table eager mode uses) into one jax function, which becomes one :class:`Program`: in strict mode
+it runs as one XLA executable, and in fused mode it is recorded as one node of the trace.
+
+Dynamic shapes: a graph is compiled once per distinct set of input shapes (``jax.jit`` retraces),
+and each new shape is counted in ``torch_tpu.metrics()`` under ``compile_count``. Symbolic sizes
+that Dynamo passes as integer inputs are compile-time constants.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch._decomp import core_aten_decompositions
+
+from torch_tpu import _dtypes, _rng
+from torch_tpu._storage import is_tpu, new_tensor, read
+from torch_tpu.ops._registry import LOWERINGS
+from torch_tpu.runtime.executor import Program, execute
+
+_PYTHON_OPS: dict[Callable, Callable] = {
+    operator.getitem: operator.getitem,
+    operator.add: operator.add,
+    operator.sub: operator.sub,
+    operator.mul: operator.mul,
+    operator.floordiv: operator.floordiv,
+    operator.truediv: operator.truediv,
+    operator.neg: operator.neg,
+}
+_IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
+
+
+def _lowering_of(target: Any) -> Any:
+    lowering = LOWERINGS.get(target)
+    if lowering is None:
+        raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph")
+    return lowering
+
+
+def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
+    """A jax function computing ``gm``: (function, number of random ops, output metas)."""
+    nodes = list(gm.graph.nodes)
+    for n in nodes:  # fail at compile time, naming the op, rather than at the first call
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            _lowering_of(n.target)
+    n_random = sum(
+        1 for n in nodes if n.op == "call_function" and n.target in LOWERINGS and LOWERINGS[n.target].random
+    )
+    out_node = next(n for n in nodes if n.op == "output")
+    out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
+
+    def fn(rng: list, *inputs: Any) -> tuple:
+        env: dict[torch.fx.Node, Any] = {}
+        it = iter(inputs)
+        rng_it = iter(rng)
+
+        def val(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return env[a]
+            if isinstance(a, (list, tuple)):
+                return type(a)(val(x) for x in a)
+            return a
+
+        for n in nodes:
+            if n.op == "placeholder":
+                env[n] = next(it)
+            elif n.op == "call_function":
+                args = val(n.args)
+                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
+                if n.target in _PYTHON_OPS:
+                    env[n] = _PYTHON_OPS[n.target](*args, **kwargs)
+                    continue
+                lowering = _lowering_of(n.target)
+                pre = [_rng.key_from(*next(rng_it))] if lowering.random else []
+                r = lowering.fn(*pre, *args, **kwargs)
+                env[n] = _match_meta(r, n.meta.get("val"))
+            elif n.op == "output":
+                return tuple(val(a) for a in n.args[0])
+        raise AssertionError("graph without output")
+
+    return fn, n_random, out_metas
+
+
+def _match_meta(r: Any, meta: Any) -> Any:
+    """Casts a lowering's result to the dtype torch's tracing recorded for the node."""
+    if isinstance(meta, torch.Tensor):
+        r = jnp.asarray(r)
+        want = _dtypes.to_jax(meta.dtype)
+        return r.astype(want) if r.dtype != want else r
+    if isinstance(meta, (list, tuple)) and isinstance(r, (list, tuple)):
+        return type(r)(_match_meta(x, m) for x, m in zip(r, meta))
+    return r
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    fn, n_random, out_metas = lower_graph(gm)
+    static = tuple(i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor))
+    cache: dict[tuple, Program] = {}
+    name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
+
+    def run(args: list) -> list:
+        arrays, key = [], []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if is_tpu(a):
+                    arrays.append(read(a))
+                elif a.dim() == 0:
+                    arrays.append(_dtypes.cpu_to_numpy(a))
+                else:
+                    raise RuntimeError(f"Expected all tensors to be on the same device, but found tpu:0 and {a.device}")
+                key.append((tuple(a.shape), a.dtype))
+            else:
+                key.append(a)
+        args.clear()  # the boxed calling convention: free inputs as soon as possible
+        program = cache.get(tuple(key))
+        if program is None:
+            statics = {i: key[i] for i in static}
+
+            def body(rng: list, *xs: Any, _statics=statics) -> tuple:
+                full, k = [], 0
+                for i in range(len(key)):
+                    if i in _statics:
+                        full.append(_statics[i])
+                    else:
+                        full.append(xs[k])
+                        k += 1
+                return fn(rng, *full)
+
+            program = cache[tuple(key)] = Program(f"{name} {[k for k in key if isinstance(k, tuple)]}", body,
+                                                  multi=True)
+        rng = [tuple(_rng.next_inputs()) for _ in range(n_random)]
+        outs = execute(program, rng, *[x for i, x in enumerate(arrays) if i not in static])
+        results = []
+        for o, meta in zip(outs, out_metas):
+            if isinstance(meta, torch.Tensor):
+                results.append(new_tensor(tuple(meta.shape), meta.dtype, o) if o is not None else None)
+            else:
+                results.append(o if not isinstance(o, jax.Array) else o.item())
+        return results
+
+    run._boxed_call = True  # AOTAutograd passes a list it may clear
+    return run
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """The Dynamo backend registered as ``"tpu"``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    return aot_module_simplified(
+        gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=core_aten_decompositions()
+    )

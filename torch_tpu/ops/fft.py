@@ -1,0 +1,195 @@
+"""Lowerings: the FFT primitives behind ``torch.fft``, and complex-number support.
+
+``torch.fft.*`` are CompositeImplicitAutograd functions; all of them end in three ATen ops:
+``_fft_r2c`` (real to onesided or full complex), ``_fft_c2r`` (onesided complex to real) and
+``_fft_c2c``. Each takes a ``normalization`` code that is the *scale* applied to the unscaled
+transform, whatever the direction: 0 none, 1 ``1/sqrt(n)``, 2 ``1/n`` (n the product of the
+transformed sizes of the signal). So the lowerings compute unscaled transforms (jax's ``norm=``
+"backward" for forward transforms, "forward" for inverse ones) and scale afterwards.
+
+Complex support: ``view_as_real``/``view_as_complex`` reinterpret a tensor's elements. A tpu
+storage holds one typed jax array, so these cannot alias it: they are kernels that return a
+copy (like ``Tensor.view(dtype)``). Reading through them is exact; writing through them (e.g.
+``z.real.zero_()``) does not reach the original tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_tpu import _dispatch, _dtypes
+from torch_tpu._dispatch import device_mismatch, kernel, meta_outputs
+from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
+from torch_tpu.ops._registry import LOWERINGS, aten, lower
+from torch_tpu.runtime import metrics
+from torch_tpu.runtime.executor import Program, execute
+
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------------------- fft
+def _scale(x, n: int, normalization: int):
+    """Applies torch's ``fft_norm_mode`` to an unscaled transform of signal size ``n``."""
+    if normalization == 1:
+        return x * (1.0 / math.sqrt(n)) if n else x
+    if normalization == 2:
+        return x * (1.0 / n) if n else x
+    return x
+
+
+def _complex_of(x):
+    """Low-precision inputs are transformed in complex64 (the result is cast back by the dispatcher)."""
+    if np.dtype(x.dtype) in _LOW:
+        return x.astype(jnp.float32)
+    return x
+
+
+@lower(aten._fft_r2c.default)
+def fft_r2c(self, dim, normalization, onesided):
+    """Real-to-complex transform over ``dim``; ``onesided`` keeps the last dim's first n//2+1 bins."""
+    x = _complex_of(self)
+    dim = [d % x.ndim for d in dim]
+    n = math.prod(x.shape[d] for d in dim)
+    if onesided:
+        out = jnp.fft.rfftn(x, axes=dim, norm="backward")
+    else:
+        out = jnp.fft.fftn(x, axes=dim, norm="backward")
+    return _scale(out, n, normalization)
+
+
+@lower(aten._fft_c2r.default)
+def fft_c2r(self, dim, normalization, last_dim_size):
+    """Onesided complex-to-real inverse transform; ``last_dim_size`` is the real signal's last size.
+
+    Like pocketfft, only the first ``last_dim_size // 2 + 1`` bins of the last dim are read and the
+    imaginary parts that a Hermitian signal cannot have are ignored.
+    """
+    x = _complex_of(self)
+    dim = [d % x.ndim for d in dim]
+    s = [x.shape[d] for d in dim[:-1]] + [last_dim_size]
+    half = last_dim_size // 2 + 1
+    if x.shape[dim[-1]] > half:
+        x = lax.slice_in_dim(x, 0, half, axis=dim[-1])
+    elif x.shape[dim[-1]] < half:  # zero-pad the missing bins
+        pad = [(0, 0)] * x.ndim
+        pad[dim[-1]] = (0, half - x.shape[dim[-1]])
+        x = jnp.pad(x, pad)
+    out = jnp.fft.irfftn(x, s=s, axes=dim, norm="forward")
+    return _scale(out, math.prod(s), normalization)
+
+
+@lower(aten._fft_c2c.default)
+def fft_c2c(self, dim, normalization, forward):
+    """Complex-to-complex transform over ``dim`` (``forward``: the sign of the exponent)."""
+    x = _complex_of(self)
+    dim = [d % x.ndim for d in dim]
+    if not dim:
+        return x
+    n = math.prod(x.shape[d] for d in dim)
+    out = jnp.fft.fftn(x, axes=dim, norm="backward") if forward else jnp.fft.ifftn(x, axes=dim, norm="forward")
+    return _scale(out, n, normalization)
+
+
+# ------------------------------------------------------------------------------------- complex
+def _copy_program(name: str, fn, shape: tuple, dtype: torch.dtype, out_shape: tuple, out_dtype: torch.dtype):
+    key = (name, shape, dtype, out_shape, out_dtype)
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        jdt = _dtypes.to_jax(out_dtype)
+        prog = _PROGRAMS[key] = Program(
+            f"{name}({str(dtype).removeprefix('torch.')}{list(shape)})",
+            lambda x: fn(x).astype(jdt).reshape(out_shape),
+        )
+    return prog
+
+
+_PROGRAMS: dict[tuple, Program] = {}
+
+
+def _copying_view(op: torch._ops.OpOverload, fn) -> None:
+    """Registers a kernel for view op ``op`` that returns ``fn`` of the input as a fresh tensor.
+
+    torch's meta kernel still runs first, so shapes, dtypes and errors are CPU's.
+    """
+    name = str(op)
+
+    def run(self: torch.Tensor) -> torch.Tensor:
+        metrics.op_counts[name] += 1
+        meta = meta_outputs(op, (self,), {})[0]
+        shape, dtype = tuple(meta.shape), meta.dtype
+        prog = _copy_program(name, fn, tuple(self.shape), self.dtype, shape, dtype)
+        return new_tensor(shape, dtype, execute(prog, read(self)))
+
+    kernel(op)(run)
+
+
+def _as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+def _as_complex(x):
+    return lax.complex(x[..., 0], x[..., 1])
+
+
+_copying_view(aten.view_as_real.default, _as_real)
+_copying_view(aten.view_as_complex.default, _as_complex)
+# A conjugate (or negative) view would set a bit on the tensor that every kernel would have to
+# honour; materialising it keeps the bits off tpu tensors, so every lowering sees plain values.
+_copying_view(aten._conj.default, jnp.conj)
+_copying_view(aten._neg_view.default, jnp.negative)
+
+
+@kernel(aten.conj_physical.out)
+def conj_physical_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """``conj_physical`` (and ``conj_physical_``, which CompositeExplicitAutograd routes here)."""
+    metrics.op_counts["aten.conj_physical.out"] += 1
+    if not is_tpu(out):
+        raise device_mismatch("aten.conj_physical.out", out.device)
+    meta = meta_outputs(aten.conj_physical.out, (self,), {"out": _dispatch._meta(out)})[0]
+    shape = tuple(meta.shape)
+    prog = _copy_program("aten.conj_physical", jnp.conj, tuple(self.shape), self.dtype, shape, out.dtype)
+    value = execute(prog, read(self))
+    if tuple(out.shape) != shape:
+        set_base(out, shape, out.dtype, None)
+    write(out, value)
+    return out
+
+
+@lower(aten.conj_physical_.default)
+def conj_physical_(self):
+    """In place: its CompositeExplicitAutograd kernel calls a CPU/CUDA-only stub."""
+    return jnp.conj(self)
+
+
+
+@lower(aten.complex.default)
+def complex_(real, imag):
+    """``real + i*imag``; its decomposition would write through ``view_as_real``, which is a copy here."""
+    return _complex_pair(real, imag)
+
+
+def _complex_pair(re, im):
+    """``re + i*im``, broadcast; half-precision parts are widened to float32."""
+    dt = jnp.promote_types(re.dtype, im.dtype)
+    dt = jnp.float32 if np.dtype(dt) in _LOW else dt
+    re, im = jnp.broadcast_arrays(re.astype(dt), im.astype(dt))
+    return lax.complex(re, im)
+
+
+@lower(aten.polar.default)
+def polar(abs, angle):  # noqa: A002  (the schema's name)
+    return _complex_pair(abs * jnp.cos(angle), abs * jnp.sin(angle))
+
+
+# register_lowerings skips in-place ops named directly in the table; register this one here.
+if str(aten.conj_physical_.default) not in _dispatch.REGISTERED:
+    _dispatch.register_kernel(
+        aten.conj_physical_.default,
+        _dispatch._OpKernel(aten.conj_physical_.default, LOWERINGS[aten.conj_physical_.default], "inplace"),
+        "lowering (inplace)",
+    )

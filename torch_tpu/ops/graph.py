@@ -1,0 +1,160 @@
+"""Lowerings that only ``torch.compile`` graphs need.
+
+In eager mode, views are torch's own kernels (they share storage) and factories are ``empty`` plus
+``fill_`` or hand-written kernels. A functional ATen graph names them as ops, so here they are as
+pure functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from torch_tpu import _dtypes
+from torch_tpu.ops._registry import aten, lower
+
+
+def _norm_dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+@lower(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
+       graph_only=True)
+def view(self, size, stride=None):
+    return jnp.reshape(self, size)
+
+
+@lower(aten.permute.default, graph_only=True)
+def permute(self, dims):
+    return jnp.transpose(self, [_norm_dim(d, self.ndim) for d in dims])
+
+
+@lower(aten.t.default, graph_only=True)
+def t(self):
+    return self.T
+
+
+@lower(aten.transpose.int, graph_only=True)
+def transpose(self, dim0, dim1):
+    return jnp.swapaxes(self, dim0, dim1)
+
+
+@lower(aten.expand.default, graph_only=True)
+def expand(self, size, implicit=False):
+    lead = len(size) - self.ndim
+    shape = [self.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    return jnp.broadcast_to(self, shape)
+
+
+@lower(aten.unsqueeze.default, graph_only=True)
+def unsqueeze(self, dim):
+    return jnp.expand_dims(self, _norm_dim(dim, self.ndim + 1))
+
+
+@lower(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, graph_only=True)
+def squeeze(self, dim=None):
+    if dim is None:
+        return jnp.squeeze(self)
+    dims = [_norm_dim(d, max(self.ndim, 1)) for d in (dim if isinstance(dim, list) else [dim])]
+    return jnp.squeeze(self, tuple(d for d in dims if self.ndim and self.shape[d] == 1))
+
+
+@lower(aten.slice.Tensor, graph_only=True)
+def slice_(self, dim=0, start=None, end=None, step=1):
+    dim = _norm_dim(dim, self.ndim)
+    n = self.shape[dim]
+    s, e, _ = slice(start, end, 1).indices(n)
+    e = max(e, s)
+    return lax.slice_in_dim(self, s, e, step, axis=dim)
+
+
+@lower(aten.select.int, graph_only=True)
+def select(self, dim, index):
+    dim = _norm_dim(dim, self.ndim)
+    return lax.index_in_dim(self, index % self.shape[dim], axis=dim, keepdims=False)
+
+
+@lower(aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, graph_only=True)
+def alias(self):
+    return self
+
+
+@lower(aten.diagonal.default, graph_only=True)
+def diagonal(self, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(self, offset, _norm_dim(dim1, self.ndim), _norm_dim(dim2, self.ndim))
+
+
+@lower(aten.split_with_sizes.default, graph_only=True)
+def split_with_sizes(self, split_sizes, dim=0):
+    cuts = np.cumsum(split_sizes)[:-1].tolist()
+    return tuple(jnp.split(self, cuts, axis=_norm_dim(dim, self.ndim)))
+
+
+@lower(aten.split.Tensor, graph_only=True)
+def split(self, split_size, dim=0):
+    dim = _norm_dim(dim, self.ndim)
+    n = self.shape[dim]
+    return split_with_sizes(self, [min(split_size, n - i) for i in range(0, n, split_size)] or [0], dim)
+
+
+@lower(aten.unbind.int, graph_only=True)
+def unbind(self, dim=0):
+    dim = _norm_dim(dim, self.ndim)
+    return tuple(jnp.moveaxis(self, dim, 0))
+
+
+@lower(aten.as_strided.default, graph_only=True)
+def as_strided(self, size, stride, storage_offset=None):
+    flat = self.reshape(-1)
+    idx = np.full(size, storage_offset or 0, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n) * s).reshape(shape)
+    return flat[idx]
+
+
+@lower(aten._to_copy.default, graph_only=True)
+def to_copy(self, dtype=None, non_blocking=False):
+    return self if dtype is None else self.astype(_dtypes.to_jax(dtype))
+
+
+@lower(aten.copy.default, graph_only=True)
+def copy(self, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+@lower(aten.empty.memory_format, aten.zeros.default, graph_only=True)
+def zeros(size, dtype=None):
+    return jnp.zeros(size, _dtypes.to_jax(dtype) if dtype else jnp.float32)
+
+
+@lower(aten.empty_strided.default, graph_only=True)
+def empty_strided(size, stride, dtype=None):
+    return zeros(size, dtype)
+
+
+@lower(aten.ones.default, graph_only=True)
+def ones(size, dtype=None):
+    return jnp.ones(size, _dtypes.to_jax(dtype) if dtype else jnp.float32)
+
+
+@lower(aten.full.default, graph_only=True)
+def full(size, fill_value, dtype=None):
+    return jnp.full(size, fill_value)
+
+
+@lower(aten.scalar_tensor.default, graph_only=True)
+def scalar_tensor(s, dtype=None):
+    return jnp.asarray(s)
+
+
+@lower(aten.arange.start_step, aten.arange.default, aten.arange.start, static_scalars=True, graph_only=True)
+def arange(start, end=None, step=1, dtype=None):
+    if end is None:
+        start, end = 0, start
+    n = max(0, math.ceil((end - start) / step))
+    return start + jnp.arange(n) * step
