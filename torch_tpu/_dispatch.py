@@ -49,8 +49,9 @@ def device_mismatch(op_name: str, other: torch.device) -> RuntimeError:
     )
 
 
-# How an argument's Python numbers are treated: all static, floats at run time, or all at run time.
-STATIC, FLOATS, NUMBERS = 0, 1, 2
+# How an argument's Python numbers are treated: all static, or floats (and complex) at run time.
+# Python ints stay static: lowerings may branch on them, and they rarely change between steps.
+STATIC, FLOATS = 0, 1
 
 
 def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
@@ -64,7 +65,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             return _Scalar((a.dtype,))
         raise device_mismatch(op_name, a.device)
     t = type(a)
-    if (dynamic and (t is float or t is complex)) or (dynamic == NUMBERS and (t is int or t is bool)):
+    if dynamic and (t is float or t is complex):
         dyn.append(a)
         return _Scalar((t,))
     if t is list or t is tuple:
@@ -117,13 +118,10 @@ class _OpKernel:
         self.lowering = lowering
         self.kind = kind  # functional | inplace | out
         schema = op._schema
-        self.dynamic = {
-            a.name: STATIC if lowering.static_scalars else (NUMBERS if "Scalar" in str(a.type) else FLOATS)
-            for a in schema.arguments
-        }
+        self.dynamic = {a.name: STATIC if lowering.static_scalars else FLOATS for a in schema.arguments}
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
-        self.returns_list = len(schema.returns) == 1 and "[]" in str(schema.returns[0].type)
+        self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
         self.single = len(schema.returns) == 1 and not self.returns_list
         self.cache: dict[Any, tuple[Program, list[tuple[tuple[int, ...], torch.dtype]]]] = {}
 

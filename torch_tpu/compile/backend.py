@@ -24,6 +24,7 @@ from torch._decomp import core_aten_decompositions
 from torch_tpu import _dtypes, _rng
 from torch_tpu._storage import is_tpu, new_tensor, read
 from torch_tpu.ops._registry import LOWERINGS
+from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime.executor import Program, execute
 
 _PYTHON_OPS: dict[Callable, Callable] = {
@@ -41,8 +42,14 @@ _IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "mem
 def _lowering_of(target: Any) -> Any:
     lowering = LOWERINGS.get(target)
     if lowering is None:
+        lowering = foreach_lowering(target)
+    if lowering is None:
         raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph")
     return lowering
+
+
+def _is_random(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target in LOWERINGS and LOWERINGS[target].random
 
 
 def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
@@ -51,9 +58,7 @@ def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
     for n in nodes:  # fail at compile time, naming the op, rather than at the first call
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             _lowering_of(n.target)
-    n_random = sum(
-        1 for n in nodes if n.op == "call_function" and n.target in LOWERINGS and LOWERINGS[n.target].random
-    )
+    n_random = sum(1 for n in nodes if n.op == "call_function" and _is_random(n.target))
     out_node = next(n for n in nodes if n.op == "output")
     out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
 
@@ -72,6 +77,11 @@ def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
         for n in nodes:
             if n.op == "placeholder":
                 env[n] = next(it)
+            elif n.op == "get_attr":  # a tensor the graph holds as an attribute (a lifted constant)
+                c = getattr(gm, n.target)
+                if isinstance(c, torch.Tensor):
+                    c = read(c) if is_tpu(c) else jnp.asarray(_dtypes.cpu_to_numpy(c))
+                env[n] = c
             elif n.op == "call_function":
                 args = val(n.args)
                 kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
@@ -102,46 +112,42 @@ def _match_meta(r: Any, meta: Any) -> Any:
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     fn, n_random, out_metas = lower_graph(gm)
-    static = tuple(i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor))
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
 
     def run(args: list) -> list:
         arrays, key = [], []
-        for i, a in enumerate(args):
+        for a in args:
             if isinstance(a, torch.Tensor):
                 if is_tpu(a):
                     arrays.append(read(a))
                 elif a.dim() == 0:
                     arrays.append(_dtypes.cpu_to_numpy(a))
                 else:
-                    raise RuntimeError(f"Expected all tensors to be on the same device, but found tpu:0 and {a.device}")
+                    raise RuntimeError(
+                        f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
+                        f"{a.device}!"
+                    )
                 key.append((tuple(a.shape), a.dtype))
             else:
                 key.append(a)
         args.clear()  # the boxed calling convention: free inputs as soon as possible
         program = cache.get(tuple(key))
-        if program is None:
-            statics = {i: key[i] for i in static}
+        if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
+            statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
 
-            def body(rng: list, *xs: Any, _statics=statics) -> tuple:
-                full, k = [], 0
-                for i in range(len(key)):
-                    if i in _statics:
-                        full.append(_statics[i])
-                    else:
-                        full.append(xs[k])
-                        k += 1
-                return fn(rng, *full)
+            def body(rng: list, *xs: Any, _statics=statics, _n=len(key)) -> tuple:
+                it = iter(xs)
+                return fn(rng, *[_statics[i] if i in _statics else next(it) for i in range(_n)])
 
             program = cache[tuple(key)] = Program(f"{name} {[k for k in key if isinstance(k, tuple)]}", body,
                                                   multi=True)
         rng = [tuple(_rng.next_inputs()) for _ in range(n_random)]
-        outs = execute(program, rng, *[x for i, x in enumerate(arrays) if i not in static])
+        outs = execute(program, rng, *arrays)
         results = []
         for o, meta in zip(outs, out_metas):
             if isinstance(meta, torch.Tensor):
-                results.append(new_tensor(tuple(meta.shape), meta.dtype, o) if o is not None else None)
+                results.append(new_tensor(tuple(o.shape), meta.dtype, o) if o is not None else None)
             else:
                 results.append(o if not isinstance(o, jax.Array) else o.item())
         return results
@@ -150,10 +156,25 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return run
 
 
+_SKIPPED: list[str] = []
+
+
+def skip_our_frames() -> None:
+    """Dynamo must never trace torch_tpu's kernels or the jax code they call: they run beneath
+    the dispatcher, also when eager code between graph breaks calls them."""
+    from torch._dynamo import trace_rules
+
+    for name in ("torch_tpu", "jax", "jaxlib", "ml_dtypes"):
+        if name not in _SKIPPED:
+            trace_rules.add(name)
+            _SKIPPED.append(name)
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """The Dynamo backend registered as ``"tpu"``."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
+    skip_our_frames()
     return aot_module_simplified(
         gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=core_aten_decompositions()
     )

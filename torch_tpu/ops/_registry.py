@@ -22,8 +22,8 @@ class Lowering:
 
     ``static_scalars``: every Python number becomes a compile-time constant, for ops whose output
     shape depends on them (arange) or whose best lowering needs the value (integer powers, norm
-    orders). Otherwise Python floats, and ints passed as ``Scalar``, are runtime arguments, so a
-    changing learning rate never recompiles.
+    orders). Otherwise Python floats are runtime arguments, so a changing learning rate never
+    recompiles; Python ints are always constants.
     ``random``: the function takes a jax PRNG key as its first argument.
     ``check``: called with the op's torch arguments before every run, for what a meta kernel
     cannot see (index values out of range); it raises the error CPU would raise.

@@ -167,21 +167,36 @@ def conj_physical_(self):
 
 
 
-@lower(aten.complex.default)
+_SCALAR_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+
+
+def _check_parts(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> None:
+    """CPU's dtype checks for ``complex``/``polar``, which their meta kernels do not make."""
+    na, nb = (_SCALAR_NAMES.get(t.dtype, str(t.dtype)) for t in (a, b))
+    floats = (torch.float16, torch.float32, torch.float64)
+    if a.dtype not in floats or b.dtype not in floats:
+        raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got {na} and {nb}")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"Expected object of scalar type {na} but got scalar type {nb} for second argument")
+
+
+@lower(aten.complex.default, check=_check_parts)
 def complex_(real, imag):
     """``real + i*imag``; its decomposition would write through ``view_as_real``, which is a copy here."""
     return _complex_pair(real, imag)
 
 
 def _complex_pair(re, im):
-    """``re + i*im``, broadcast; half-precision parts are widened to float32."""
-    dt = jnp.promote_types(re.dtype, im.dtype)
-    dt = jnp.float32 if np.dtype(dt) in _LOW else dt
-    re, im = jnp.broadcast_arrays(re.astype(dt), im.astype(dt))
+    """``re + i*im``, broadcast (the check has made both parts the same float dtype)."""
+    re, im = jnp.broadcast_arrays(re, im)
     return lax.complex(re, im)
 
 
-@lower(aten.polar.default)
+@lower(aten.polar.default, check=_check_parts)
 def polar(abs, angle):  # noqa: A002  (the schema's name)
     return _complex_pair(abs * jnp.cos(angle), abs * jnp.sin(angle))
 

@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from torch_tpu import _dtypes
@@ -158,3 +159,126 @@ def arange(start, end=None, step=1, dtype=None):
         start, end = 0, start
     n = max(0, math.ceil((end - start) / step))
     return start + jnp.arange(n) * step
+
+
+# Batch norm: eager mode serves these with hand-written kernels that update running statistics in
+# place; a functional graph returns the new statistics instead.
+@lower(aten._native_batch_norm_legit_functional.default, graph_only=True)
+def batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    from torch_tpu.ops.nn import batch_norm_math
+
+    return batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lower(aten._native_batch_norm_legit_no_training.default, graph_only=True)
+def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
+    from torch_tpu.ops.nn import batch_norm_math
+
+    return batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@lower(aten._native_batch_norm_legit.no_stats, graph_only=True)
+def batch_norm_no_stats(input, weight, bias, training, momentum, eps):
+    from torch_tpu.ops.nn import batch_norm_math
+
+    return batch_norm_math(input, weight, bias, None, None, True, momentum, eps)[:3]
+
+
+@lower(aten.native_batch_norm_backward.default, graph_only=True)
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                        output_mask):
+    from torch_tpu.ops.nn import _bn_backward
+
+    grads = iter(_bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps,
+                              output_mask))
+    return tuple(next(grads) if m else None for m in output_mask)
+
+
+# The _foreach_* ops (the optimizers' multi-tensor path) apply one op to each element of lists.
+# Eager mode runs torch's own per-tensor composite; a graph names them, so each is mapped here onto
+# the lowering of its single-tensor op.
+_FOREACH_OVERLOAD = {
+    "List": ("Tensor", "Tensor_Tensor", "default"),
+    "Scalar": ("Scalar", "Tensor_Scalar", "default"),
+    "ScalarList": ("Scalar", "Tensor_Scalar", "default"),
+    "Tensor": ("Tensor", "default"),
+    "ScalarAndTensor": ("Scalar",),
+    "default": ("default",),
+}
+_FOREACH_BASE = {"norm": ("linalg_vector_norm", ("default",)), "maximum": ("maximum", ("default",)),
+                 "minimum": ("minimum", ("default",)), "clamp_min": ("clamp_min", None),
+                 "clamp_max": ("clamp_max", None)}
+
+
+def foreach_lowering(op):
+    """A lowering for ``aten._foreach_<x>.<overload>`` built from ``aten.<x>``'s, or None."""
+    from torch_tpu.ops._registry import LOWERINGS, Lowering
+
+    name = op._schema.name.split("::")[1]
+    if not name.startswith("_foreach_") or name.endswith("_"):
+        return None
+    base = name[len("_foreach_"):]
+    base, overloads = _FOREACH_BASE.get(base, (base, None))
+    packet = getattr(aten, base, None)
+    if packet is None:
+        return None
+    single = None
+    for ov in overloads or _FOREACH_OVERLOAD.get(op._overloadname, ()):
+        cand = getattr(packet, ov, None)
+        if cand is not None and cand in LOWERINGS:
+            single = LOWERINGS[cand]
+            break
+    if single is None or single.random:
+        return None
+    listed = [
+        isinstance(a.type, torch.ListType) and str(a.type.getElementType()) != "int" for a in op._schema.arguments
+    ]
+
+    def fn(*args, **kwargs):
+        n = len(next(a for a, is_list in zip(args, listed) if is_list))
+        out = []
+        for i in range(n):
+            per = [a[i] if is_list and isinstance(a, (list, tuple)) else a for a, is_list in zip(args, listed)]
+            out.append(single.fn(*per, **kwargs))
+        return out
+
+    return Lowering(fn, graph_only=True)
+
+
+def _dtype_or(self, dtype):
+    return _dtypes.to_jax(dtype) if dtype is not None else self.dtype
+
+
+@lower(aten.full_like.default, graph_only=True)
+def full_like(self, fill_value, dtype=None):
+    return jnp.full(self.shape, fill_value, _dtype_or(self, dtype))
+
+
+@lower(aten.zeros_like.default, aten.empty_like.default, graph_only=True)
+def zeros_like(self, dtype=None):
+    return jnp.zeros(self.shape, _dtype_or(self, dtype))
+
+
+@lower(aten.ones_like.default, graph_only=True)
+def ones_like(self, dtype=None):
+    return jnp.ones(self.shape, _dtype_or(self, dtype))
+
+
+@lower(aten.new_zeros.default, aten.new_empty.default, graph_only=True)
+def new_zeros(self, size, dtype=None):
+    return jnp.zeros(size, _dtype_or(self, dtype))
+
+
+@lower(aten.new_empty_strided.default, graph_only=True)
+def new_empty_strided(self, size, stride, dtype=None):
+    return jnp.zeros(size, _dtype_or(self, dtype))
+
+
+@lower(aten.new_ones.default, graph_only=True)
+def new_ones(self, size, dtype=None):
+    return jnp.ones(size, _dtype_or(self, dtype))
+
+
+@lower(aten.new_full.default, graph_only=True)
+def new_full(self, size, fill_value, dtype=None):
+    return jnp.full(size, fill_value, _dtype_or(self, dtype))
