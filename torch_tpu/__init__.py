@@ -31,6 +31,7 @@ _host.install()
 _autocast.install()
 
 from torch_tpu._device import platform  # noqa: E402
+from torch_tpu.custom import jax_op  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "EagerMode",
     "cache_stats",
     "get_eager_mode",
+    "jax_op",
     "metrics",
     "metrics_report",
     "platform",

@@ -223,7 +223,7 @@ def _describe(s: Any) -> str:
 
 
 # ------------------------------------------------------------------------------ registration
-_lib = torch.library.Library("aten", "IMPL")
+_libs: dict[str, torch.library.Library] = {}
 REGISTERED: dict[str, str] = {}  # overload name -> how it is served
 
 
@@ -236,7 +236,11 @@ def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
 
 def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
     """Registers ``fn`` as the PrivateUse1 kernel of ``op``."""
-    _lib.impl(op.name().split("::", 1)[1], fn, "PrivateUse1")  # "add.Tensor"
+    namespace, name = op.name().split("::", 1)  # "aten", "add.Tensor"
+    lib = _libs.get(namespace)
+    if lib is None:
+        lib = _libs[namespace] = torch.library.Library(namespace, "IMPL")
+    lib.impl(name, fn, "PrivateUse1")
     REGISTERED[str(op)] = how
 
 
