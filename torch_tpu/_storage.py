@@ -167,6 +167,46 @@ def _write_program(base_shape, size, stride, offset, dtype) -> Program:
     )
 
 
+def _alias_geometry(base_shape, base_dtype, view_dtype):
+    """How a view with another element type sees a storage: (its base shape in view elements, its
+    jax dtype, base -> view-typed base, view-typed base -> base). Only the complex/real pairs that
+    view_as_real and view_as_complex make."""
+    if base_dtype.is_complex and view_dtype == base_dtype.to_real():
+        return (
+            tuple(base_shape) + (2,), _dtypes.to_jax(view_dtype),
+            lambda b: jnp.stack([jnp.real(b), jnp.imag(b)], axis=-1),
+            lambda v: lax.complex(v[..., 0], v[..., 1]),
+        )
+    if view_dtype.is_complex and base_dtype == view_dtype.to_real():
+        n = math.prod(base_shape)
+        return (
+            (n // 2,), _dtypes.to_jax(view_dtype),
+            lambda b: lax.complex(*jnp.moveaxis(b.reshape(n // 2, 2), -1, 0)),
+            lambda v: jnp.stack([jnp.real(v), jnp.imag(v)], axis=-1).reshape(base_shape),
+        )
+    raise RuntimeError(f"tpu: a {view_dtype} tensor cannot view a {base_dtype} storage")
+
+
+@functools.lru_cache(maxsize=4096)
+def _alias_read_program(base_shape, base_dtype, view_dtype, size, stride, offset) -> Program:
+    vshape, vdt, to_view, _ = _alias_geometry(base_shape, base_dtype, view_dtype)
+    plan = _plan(vshape, size, stride, offset)
+    return Program(
+        f"read {plan[0]} {list(size)} {view_dtype} of {list(base_shape)} {base_dtype}",
+        lambda base: _read(plan, vshape, size, stride, offset, vdt, to_view(base)),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _alias_write_program(base_shape, base_dtype, view_dtype, size, stride, offset) -> Program:
+    vshape, vdt, to_view, from_view = _alias_geometry(base_shape, base_dtype, view_dtype)
+    plan = _plan(vshape, size, stride, offset)
+    return Program(
+        f"write {plan[0]} {list(size)} {view_dtype} into {list(base_shape)} {base_dtype}",
+        lambda base, value: from_view(_write(plan, vshape, size, stride, offset, vdt, to_view(base), value)),
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def _zeros_program(shape, dtype) -> Program:
     return Program(f"zeros {list(shape)}", lambda: jnp.zeros(shape, dtype))
@@ -186,6 +226,9 @@ def read(t: torch.Tensor) -> Any:
     """The jax value of tpu tensor ``t``, in ``t``'s own shape."""
     st = t.untyped_storage()
     size = tuple(t.shape)
+    if t.dtype != st._dtype:  # view_as_real / view_as_complex: the same bytes, another element type
+        prog = _alias_read_program(st._shape, st._dtype, t.dtype, size, tuple(t.stride()), t.storage_offset())
+        return execute(prog, base_array(st))
     if size == st._shape and t.storage_offset() == 0 and t.is_contiguous():
         return base_array(st)
     prog = _read_program(st._shape, size, tuple(t.stride()), t.storage_offset(), _dtypes.to_jax(st._dtype))
@@ -196,6 +239,10 @@ def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
     size = tuple(t.shape)
+    if t.dtype != st._dtype:
+        prog = _alias_write_program(st._shape, st._dtype, t.dtype, size, tuple(t.stride()), t.storage_offset())
+        st._jx = execute(prog, base_array(st), value)
+        return
     jdt = _dtypes.to_jax(st._dtype)
     if (
         size == st._shape

@@ -128,16 +128,7 @@ def _copying_view(op: torch._ops.OpOverload, fn) -> None:
     kernel(op)(run)
 
 
-def _as_real(x):
-    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-
-
-def _as_complex(x):
-    return lax.complex(x[..., 0], x[..., 1])
-
-
-_copying_view(aten.view_as_real.default, _as_real)
-_copying_view(aten.view_as_complex.default, _as_complex)
+# view_as_real / view_as_complex are true views: _storage reads and writes through them.
 # A conjugate (or negative) view would set a bit on the tensor that every kernel would have to
 # honour; materialising it keeps the bits off tpu tensors, so every lowering sees plain values.
 _copying_view(aten._conj.default, jnp.conj)
