@@ -31,6 +31,7 @@ _host.install()
 _autocast.install()
 
 from torch_tpu._device import platform  # noqa: E402
+from torch_tpu.compile.export import export, load  # noqa: E402
 from torch_tpu.custom import jax_op  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
@@ -50,6 +51,8 @@ def sync() -> None:
 
 __all__ = [
     "EagerMode",
+    "export",
+    "load",
     "cache_stats",
     "get_eager_mode",
     "jax_op",
