@@ -165,3 +165,20 @@ def test_autocast_bf16_matches_cpu_autocast():
     torch.testing.assert_close(yt.float().cpu(), yc.float(), rtol=2e-2, atol=2e-2)
     with torch.autocast("tpu", dtype=torch.bfloat16):
         assert mt(x.to("tpu")).float().softmax(-1).dtype == torch.float32
+
+
+def test_module_to_keeps_parameter_identity_and_ties():
+    m = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7, bias=False))
+    m[1].weight = m[0].weight  # tied, as language models tie input and output embeddings
+    p = m[0].weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)  # made before the move, as users do
+    m.to("tpu")
+    assert m[0].weight is p and m[1].weight is p and p.device.type == "tpu"
+    ref = copy.deepcopy(m).to("cpu")
+    ids = torch.tensor([1, 2, 3])
+    m(ids.to("tpu")).square().sum().backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(ids).square().sum().backward()
+    ref_opt.step()
+    assert_same(p.detach(), ref[0].weight.detach(), rtol=RTOL, atol=ATOL)

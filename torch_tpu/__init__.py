@@ -22,6 +22,12 @@ jax.config.update("jax_enable_x64", True)
 from torch_tpu import _device  # noqa: E402
 
 _device.register()
+# Module.to("tpu") must move parameters in place, keeping their identity (tied weights, optimizers
+# made before the move). PyTorch's shallow-copy check admits only its built-in dense backends, so
+# for PrivateUse1 it would make new Parameters; swapping tensors keeps the same objects.
+import torch  # noqa: E402
+
+torch.__future__.set_swap_module_params_on_conversion(True)
 
 from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, ops  # noqa: E402,F401
 
@@ -47,6 +53,15 @@ def sync() -> None:
     """Runs what fused mode recorded (the explicit trace boundary) and waits for queued device work.
     Never required: every host read is a sync point too."""
     _device.synchronize()
+
+
+def __getattr__(name: str):
+    """``torch_tpu.TPUEstimator`` and ``torch_tpu.History``, imported on first use (import time matters)."""
+    if name in ("TPUEstimator", "History"):
+        from torch_tpu import estimator
+
+        return getattr(estimator, name)
+    raise AttributeError(f"module 'torch_tpu' has no attribute {name!r}")
 
 
 __all__ = [

@@ -62,10 +62,11 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 
 def host_to_device(t: torch.Tensor) -> Any:
-    """A jax array on tpu:0 with a private copy of a CPU tensor's data."""
+    """A jax array on tpu:0 with a private copy of a CPU tensor's data. *Uncommitted* (no device
+    named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
     data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
     metrics.transfer_bytes["host_to_device"] += data.nbytes
-    return jax.device_put(data, _device.jax_device(0))
+    return jax.device_put(data)
 
 
 @kernel(aten._copy_from.default)
@@ -242,6 +243,6 @@ def storage_from_bytes(data: np.ndarray) -> Any:
     """A tpu storage holding raw bytes, typed when a tensor is set onto it (used by torch.load)."""
     t = new_tensor((0,), torch.uint8)
     st = t.untyped_storage()
-    st._raw = jax.device_put(np.array(data, dtype=np.uint8, copy=True), _device.jax_device(0))
+    st._raw = jax.device_put(np.array(data, dtype=np.uint8, copy=True))  # uncommitted, like host_to_device
     st._t = t  # keep the owning tensor alive with the storage
     return st

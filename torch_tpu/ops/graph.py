@@ -282,3 +282,19 @@ def new_ones(self, size, dtype=None):
 @lower(aten.new_full.default, graph_only=True)
 def new_full(self, size, fill_value, dtype=None):
     return jnp.full(size, fill_value, _dtype_or(self, dtype))
+
+
+# Advanced indexing: eager mode needs hand kernels (bool masks have data-dependent shapes); in a
+# graph the indices are integer tensors (Dynamo breaks the graph on data-dependent shapes).
+@lower(aten.index.Tensor, graph_only=True)
+def index(self, indices):
+    from torch_tpu.ops.indexing import _index
+
+    return _index(self, indices)
+
+
+@lower(aten.index_put.default, graph_only=True)
+def index_put(self, indices, values, accumulate=False):
+    from torch_tpu.ops.indexing import _index_put
+
+    return _index_put(self, indices, values, accumulate)

@@ -79,6 +79,8 @@ def explain(old: Any, new: Any, sites: list) -> str:
         if w_old != w_new:
             for k, (a, b) in enumerate(zip(w_old, w_new)):
                 if a != b:
+                    if a[0] == "a" and b[0] == "a" and a[2:4] == b[2:4]:
+                        return f"input {k} of op #{i} {p_new.name.split('(')[0]} changed its sharding: {a[4]} -> {b[4]}"
                     if a[0] == "a" and b[0] == "a":
                         return (
                             f"input {k} of op #{i} {p_new.name.split('(')[0]} changed from "

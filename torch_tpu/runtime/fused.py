@@ -137,6 +137,13 @@ def pending_count() -> int:
     return len(_pending)
 
 
+def _layout(x: Any) -> Any:
+    """An input's sharding when it spans several devices: part of the trace's fingerprint, since a
+    compiled program accepts only the shardings it was compiled for. None on one device."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+
+
 def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]:
     """Inputs that nothing outside this trace still holds (a parameter whose storage now points at
     the updated value): XLA may write the outputs into their buffers. Only inputs with an output of
@@ -189,7 +196,7 @@ def flush(reason: str = "sync") -> None:
                     if p is None:
                         p = arg_pos[k] = len(args)
                         args.append(x)
-                    wiring.append(("a", p, tuple(np.shape(x)), str(x.dtype)))
+                    wiring.append(("a", p, tuple(np.shape(x)), str(x.dtype), _layout(x)))
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]

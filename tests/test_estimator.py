@@ -1,0 +1,324 @@
+"""TPUEstimator: the estimator as a device, fit/evaluate/predict against CPU references,
+checkpoints that resume exactly, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torch_tpu
+from torch_tpu.estimator import BatchError, Callback, EarlyStopping, History, TPUEstimator
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def classification_data(n: int = 100, d: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, d, generator=g)
+    return TensorDataset(x, (x[:, 0] + x[:, 1] > 0).long())
+
+
+def regression_data(n: int = 100, d: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, d, generator=g)
+    return TensorDataset(x, x[:, :2].sum(1, keepdim=True) * 0.5)
+
+
+def mlp(out: int = 2, d: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, out))
+
+
+def cpu_reference(model, loader, loss, epochs=1, lr=1e-3, accum=1):
+    """The plain loop the estimator must equal: unpadded batches, AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(epochs):
+        batches = list(loader)
+        for i in range(0, len(batches), accum):
+            group = batches[i : i + accum]
+            n = sum(len(y) for _, y in group)
+            total = 0.0
+            for x, y in group:
+                part = loss(model(x), y, reduction="sum") / n
+                part.backward()
+                total += part.item()
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+    return losses
+
+
+def assert_weights_equal(tpu_model, cpu_model, rtol=RTOL, atol=ATOL):
+    for (name, a), b in zip(cpu_model.state_dict().items(), tpu_model.state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------- the estimator as a device
+def test_seed_snippet_runs_as_written():
+    class YourModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    your_dataset = classification_data()
+    tpu = torch_tpu.TPUEstimator()
+    model = YourModel().to(tpu)
+    train_loader = DataLoader(your_dataset, batch_size=64)
+    history = tpu.fit(model, train_loader)
+    assert isinstance(history, History) and len(history.loss) == 2
+    assert next(model.parameters()).device.type == "tpu"
+
+
+def test_estimator_is_the_device():
+    est = TPUEstimator(verbose=False)
+    assert torch.device(est) == torch.device("tpu:0") == est.device
+    assert torch.ones(2).to(est).device.type == "tpu"
+    assert torch.zeros(2, device=est).device.type == "tpu"
+    assert torch.ones(2).to(est, torch.float64).dtype == torch.float64
+    assert nn.Linear(2, 2).to(device=est).weight.device.type == "tpu"
+    assert len(est.devices) >= 1
+    assert f"platform='{torch_tpu.platform()}'" in repr(est)
+    with pytest.raises(ValueError):
+        TPUEstimator(mode="fast")
+
+
+# ---------------------------------------------------------------------- fit against CPU
+def test_padded_last_batch_matches_unpadded_cpu_and_never_recompiles():
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=32)  # 32, 32, 32 and a last batch of 4
+    want = cpu_reference(cpu, loader, nn.functional.cross_entropy, epochs=3)
+    seen = []
+
+    def misses(est, logs):
+        seen.append(torch_tpu.cache_stats()["misses"])
+
+    history = TPUEstimator(verbose=False).fit(tpu.to("tpu"), loader, epochs=3, callbacks=[misses])
+    torch.testing.assert_close(torch.tensor(history.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    # Two warm-up steps (the optimizer state appears at step 1); then one program for every
+    # step, the padded last batch included.
+    assert seen[2] == seen[-1], seen
+    assert history.programs_compiled >= 1 and history.compile_seconds > 0
+    assert len(history.epochs) == 3 and history.epochs[0]["samples"] == 100
+
+
+def test_float_targets_use_mse_and_grad_accumulation_clipping_scheduler():
+    data = regression_data(96)
+    cpu = mlp(out=1)
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)
+    want = cpu_reference(cpu, loader, nn.functional.mse_loss, accum=2)
+    est = TPUEstimator(verbose=False)
+    history = est.fit(tpu, loader, grad_accum_steps=2)
+    torch.testing.assert_close(torch.tensor(history.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+
+    # An optimizer factory, a scheduler factory and clipping, against the same CPU loop.
+    cpu, tpu = mlp(out=1), mlp(out=1)
+    opt = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for x, y in loader:
+        nn.functional.mse_loss(cpu(x), y).backward()
+        nn.utils.clip_grad_norm_(cpu.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    h = est.fit(
+        tpu.to(est), loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), clip_grad_norm=0.05,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    )
+    assert_weights_equal(tpu, cpu)
+    assert [s["lr"] for s in h.steps][:4] == [0.1, 0.1, 0.05, 0.05]
+
+
+def test_batch_forms_dict_hf_loss_single_tensor_and_custom_loss():
+    class HFStyle(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, input_ids, labels):
+            logits = self.lin(input_ids)
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    x, y = classification_data(64).tensors
+    dicts = [{"input_ids": x[i : i + 16], "labels": y[i : i + 16]} for i in range(0, 64, 16)]
+    est = TPUEstimator(verbose=False)
+    torch.manual_seed(0)
+    hf = HFStyle()
+    ref = copy.deepcopy(hf)
+    hf.to(est)
+    h = est.fit(hf, dicts, optimizer=torch.optim.SGD(hf.parameters(), lr=0.5))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for d in dicts:
+        ref(**d)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    assert_weights_equal(hf, ref)
+    assert len(h.loss) == 4
+
+    # A single tensor batch needs a loss: here an autoencoder's reconstruction error.
+    torch.manual_seed(0)
+    ae = nn.Linear(8, 8)
+    h = est.fit(ae, DataLoader(x, batch_size=16), loss_fn=lambda out, batch: ((out - batch) ** 2).mean(), epochs=3)
+    assert h.loss[-1] < h.loss[0]
+    with pytest.raises(TypeError, match="loss_fn"):
+        est.fit(nn.Linear(8, 8), DataLoader(x, batch_size=16))
+
+
+# ---------------------------------------------------------------------- evaluate and predict
+def test_evaluate_and_predict_match_cpu():
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu).to("tpu")
+    loader = DataLoader(data, batch_size=32)
+    x, y = data.tensors
+    est = TPUEstimator(verbose=False)
+
+    def top1_error(pred, target):
+        return (pred.argmax(1) != target).float().mean()
+
+    got = est.evaluate(tpu, loader, metrics=["accuracy", top1_error])
+    with torch.no_grad():
+        logits = cpu(x)
+    assert got["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-4)
+    acc = (logits.argmax(1) == y).float().mean().item()
+    assert got["accuracy"] == pytest.approx(acc, abs=1e-6)
+    assert got["top1_error"] == pytest.approx(1 - acc, abs=1e-5)
+    out = est.predict(tpu, loader)
+    assert out.device.type == "cpu" and out.shape == (100, 2)
+    torch.testing.assert_close(out, logits, rtol=RTOL, atol=ATOL)
+    assert est.last_predict_stats["batches"] == 4 and est.last_predict_stats["samples_per_s"] > 0
+    reg = regression_data(40)
+    m = mlp(out=1)
+    with torch.no_grad():
+        want = nn.functional.mse_loss(m(reg.tensors[0]), reg.tensors[1]).item()
+    got = est.evaluate(copy.deepcopy(m), DataLoader(reg, batch_size=16), metrics=["mse"])
+    assert got["mse"] == pytest.approx(want, rel=1e-4) and got["loss"] == pytest.approx(want, rel=1e-4)
+
+
+# ---------------------------------------------------------------------- history, callbacks
+def test_history_plot_to_dict_callbacks_and_early_stopping(tmp_path):
+    data = classification_data(64)
+    loader = DataLoader(data, batch_size=16)
+    events = []
+
+    class Recorder(Callback):
+        def on_epoch_end(self, est, logs):
+            events.append(("epoch", logs["epoch"]))
+
+        def on_validation_end(self, est, logs):
+            events.append(("val", round(logs["accuracy"], 3)))
+
+    est = TPUEstimator(verbose=False)
+    # lr 0 cannot improve the validation loss, so early stopping ends the run after patience epochs.
+    h = est.fit(mlp(), loader, epochs=10, val_loader=loader, metrics=["accuracy"],
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                callbacks=[Recorder(), EarlyStopping("val_loss", patience=2)])
+    assert len(h.epochs) == 3 and h.stopped_early
+    assert [e[0] for e in events] == ["val", "epoch"] * 3
+    d = json.loads(json.dumps(h.to_dict()))
+    assert len(d["steps"]) == 12 and "val_accuracy" in d["epochs"][0]
+    path = h.plot(str(tmp_path / "curves.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- checkpoints
+class _StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, est, logs):
+        if logs["step"] == self.step:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
+    data = classification_data(80)
+
+    def run(ckdir, stop=None):
+        torch.manual_seed(3)  # the shuffle order
+        loader = DataLoader(data, batch_size=16, shuffle=True)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.3)
+        est = TPUEstimator(verbose=False)
+        sched = lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9)  # noqa: E731
+        kw = dict(epochs=3, checkpoint_dir=ckdir, scheduler=sched, callbacks=[_StopAt(stop)] if stop else [])
+        try:
+            return est.fit(model, loader, **kw), model
+        except KeyboardInterrupt:
+            return None, model
+
+    full, m_full = run(str(tmp_path / "a"))
+    assert run(str(tmp_path / "b"), stop=7)[0] is None  # mid-epoch 2 (5 batches an epoch)
+    names = sorted(os.listdir(tmp_path / "b"))
+    assert "latest" in names and not any(n.startswith(".tmp") for n in names)
+    resumed, m_res = run(str(tmp_path / "b"))
+    torch.testing.assert_close(torch.tensor(resumed.loss), torch.tensor(full.loss), rtol=1e-6, atol=1e-7)
+    assert_weights_equal(m_res, m_full, rtol=1e-6, atol=1e-7)
+    # A save interrupted midway leaves the previous checkpoint as the one loaded.
+    from torch_tpu.estimator import checkpoint
+
+    before = checkpoint.latest(str(tmp_path / "b"))
+    os.makedirs(tmp_path / "b" / ".tmp-step-00000099-x")
+    assert checkpoint.latest(str(tmp_path / "b")) == before
+
+
+# ---------------------------------------------------------------------- errors
+def test_clear_errors():
+    est = TPUEstimator(verbose=False)
+    x, y = classification_data(48).tensors
+    bad = [(x[:16], y[:16]), (x[16:32], y[16:32]), (torch.randn(16, 5), y[:16])]
+    with pytest.raises(BatchError, match=r"batch 2 with shapes \(\(16, 5\), \(16,\)\)"):
+        est.fit(mlp(), bad)
+    with pytest.raises(ValueError, match="empty"):
+        est.fit(mlp(), DataLoader(TensorDataset(x[:0], y[:0]), batch_size=4))
+    with pytest.raises(ValueError, match="empty"):
+        est.fit(mlp(), iter([]))
+    xs = x.clone()
+    xs[20] = float("nan")
+    with pytest.raises(FloatingPointError, match="step 2"):
+        est.fit(mlp(), DataLoader(TensorDataset(xs, y), batch_size=16))
+
+
+# ---------------------------------------------------------------------- modes and precision
+def test_compile_mode_matches_cpu():
+    torch._dynamo.reset()
+    data = regression_data(64)
+    cpu = mlp(out=1)
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)
+    want = cpu_reference(cpu, loader, nn.functional.mse_loss, epochs=2)
+    h = TPUEstimator(mode="compile", verbose=False).fit(tpu, loader, epochs=2)
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    torch._dynamo.reset()
+
+
+def test_bf16_loss_within_2_percent_of_fp32():
+    data = classification_data(256, d=16)
+    loader = DataLoader(data, batch_size=32)
+    final = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 2))
+        h = TPUEstimator(precision=precision, verbose=False).fit(model, loader, epochs=7, max_steps=50)
+        assert len(h.loss) == 50
+        final[precision] = sum(h.loss[-8:]) / 8
+        assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
+    assert abs(final["bf16"] - final["fp32"]) / final["fp32"] < 0.02, final

@@ -1,0 +1,118 @@
+"""Batches: their forms, moving them to the device, and padding the last partial batch.
+
+A batch is a tuple or list ``(inputs..., target)``, a dict passed to the model as keyword
+arguments, or a single tensor. The last batch of an epoch is usually smaller; a smaller shape is a
+new XLA program, so it is padded to the full size and the padded rows are masked out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One batch as the estimator sees it.
+
+    ``args``/``kwargs``: what the model is called with. ``target``: the target, when the batch has
+    one. ``size``: the number of real rows; ``mask``: float ones for real rows and zeros for padding
+    (None when the batch was not padded), on the device.
+    """
+
+    args: tuple
+    kwargs: dict
+    target: Any
+    size: int
+    raw: Any
+    mask: torch.Tensor | None = None
+    padded_to: int | None = None
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """Applies ``fn`` to every tensor in a nest of tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
+def batch_size(raw: Any) -> int:
+    """Rows in a batch: the leading size of its first tensor."""
+    ts = tensors_in(raw)
+    if not ts or ts[0].dim() == 0:
+        raise TypeError(f"a batch must hold tensors with a batch dimension, got {type(raw).__name__}")
+    return int(ts[0].shape[0])
+
+
+def shapes_of(raw: Any) -> Any:
+    """The shapes in a batch, for error messages."""
+    return map_tensors(raw, lambda t: tuple(t.shape))
+
+
+def pad_rows(raw: Any, rows: int) -> Any:
+    """Pads every tensor in ``raw`` to ``rows`` along dim 0 by repeating its first row.
+
+    Repeating a real row (not zeros) keeps padded inputs valid: integer targets stay valid class
+    indices and nothing divides by zero. Their loss is masked out anyway.
+    """
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0] if t.dim() else 0
+        if t.dim() == 0 or n >= rows:
+            return t
+        return torch.cat([t, t[:1].expand(rows - n, *t.shape[1:])], 0)
+
+    return map_tensors(raw, pad)
+
+
+def split(raw: Any, device: Any, with_target: bool = True) -> Batch:
+    """Moves a raw batch to ``device`` (without blocking) and splits it into model inputs and target."""
+    n = batch_size(raw)
+    moved = map_tensors(raw, lambda t: t.to(device, non_blocking=True))
+    if isinstance(moved, dict):
+        return Batch((), moved, None, n, moved)
+    if isinstance(moved, (tuple, list)):
+        if with_target and len(moved) >= 2:
+            return Batch(tuple(moved[:-1]), {}, moved[-1], n, moved)
+        return Batch(tuple(moved), {}, None, n, moved)
+    return Batch((moved,), {}, None, n, moved)
+
+
+def prefetch(loader: Iterable, prepare: Any, skip: int = 0) -> Iterator[tuple[int, Any]]:
+    """Yields ``(index, prepare(raw))``, preparing (and so sending to the device) one batch ahead,
+    so that the next batch's host-to-device copy overlaps the step running now."""
+    it = iter(loader)
+    for _ in range(skip):
+        try:
+            next(it)
+        except StopIteration:
+            return
+    index = skip
+    try:
+        nxt = prepare(index, next(it))
+    except StopIteration:
+        return
+    while True:
+        cur, cur_index = nxt, index
+        index += 1
+        try:
+            nxt = prepare(index, next(it))
+        except StopIteration:
+            yield cur_index, cur
+            return
+        yield cur_index, cur
