@@ -91,6 +91,32 @@ def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return _copy_from(src, dst)
 
 
+@kernel(aten._to_copy.default)
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    """``.to()`` from tpu. To the host, the copy is synchronous, so ``non_blocking`` needs no pinned
+    buffer (which PyTorch's Python backend hooks cannot provide)."""
+    metrics.op_counts["aten._to_copy.default"] += 1
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    if not is_tpu(self):  # BackendSelect sends CPU -> tpu copies here too
+        if self.device.type != "cpu":
+            raise device_mismatch("aten._to_copy", self.device)
+        _device.check_index(target.index)
+        return new_tensor(tuple(self.shape), dtype, host_to_device(self.to(dtype)))
+    if target.type == "cpu":
+        out = to_cpu(self).to(dtype)
+        if memory_format not in (None, torch.preserve_format):
+            out = out.contiguous(memory_format=memory_format)
+        return out
+    if target.type != "tpu":
+        raise device_mismatch("aten._to_copy", target)
+    _device.check_index(target.index)
+    out = new_tensor(tuple(self.shape), dtype)
+    write(out, read(self))
+    return out
+
+
 @kernel(aten._local_scalar_dense.default)
 def _local_scalar_dense(t: torch.Tensor) -> Any:
     metrics.op_counts["aten._local_scalar_dense"] += 1

@@ -258,11 +258,7 @@ class TPUEstimator:
 
     # ------------------------------------------------------------------ plumbing
     def _eager_mode(self) -> contextlib.AbstractContextManager:
-        if self.mode == "fused":
-            return torch_tpu.set_eager_mode("fused")
-        if self.mode == "strict":
-            return torch_tpu.set_eager_mode("strict")
-        return contextlib.nullcontext()
+        return torch_tpu.set_eager_mode("strict" if self.mode == "strict" else "fused")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -271,7 +267,7 @@ class TPUEstimator:
 
     def _end_step(self) -> None:
         """Cuts the fused trace: what the step recorded runs now, as one program, asynchronously."""
-        if self.mode == "fused":
+        if self.mode != "strict":
             fused.flush("step")
 
     @staticmethod
@@ -367,7 +363,7 @@ class TPUEstimator:
         """The whole optimizer step over a group of micro-batches, as one function (compiled as one
         graph in compile mode; recorded as one trace in fused mode)."""
 
-        def step(micro: list[Batch]) -> torch.Tensor:
+        def forward_backward(micro: list[Batch]) -> torch.Tensor:
             k = len(micro)
             total = None
             if loss_fn is None and all(b.target is not None for b in micro):
@@ -379,16 +375,21 @@ class TPUEstimator:
                     loss = loss / k
                 loss.backward()
                 report = loss.detach() if report is None else report + loss.detach()
+            return report.float()
+
+        # Compile mode compiles forward and backward; the optimizer runs in fused mode, where the
+        # learning rate is a runtime value (Dynamo would recompile whenever a scheduler changes it).
+        fb = torch.compile(forward_backward, backend="tpu") if self.mode == "compile" else forward_backward
+
+        def step(micro: list[Batch]) -> torch.Tensor:
+            report = fb(micro)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return report.float()
+            return report
 
-        if self.mode != "compile":
-            return step
-        compiled = torch.compile(step, backend="tpu")
-        return compiled
+        return step
 
     # ------------------------------------------------------------------ fit
     def fit(
