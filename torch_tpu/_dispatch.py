@@ -16,6 +16,7 @@ autograd formula.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch_tpu import _dtypes, _rng
 from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
 from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import executor, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
@@ -168,8 +169,12 @@ class _OpKernel:
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         metrics.op_counts[self.name] += 1
-        if self.lowering.check is not None:
-            self.lowering.check(*args, **kwargs)
+        if self.lowering.check is not None:  # reads values on the host: never recorded
+            if executor.recording():
+                with executor.eager_section():
+                    self.lowering.check(*args, **kwargs)
+            else:
+                self.lowering.check(*args, **kwargs)
         dyn: list = []
         name = self.name
         pos = tuple(_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic))
@@ -244,12 +249,27 @@ def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
     REGISTERED[str(op)] = how
 
 
-def kernel(*ops: torch._ops.OpOverload) -> Callable[[Callable], Callable]:
-    """Registers a hand-written PrivateUse1 kernel (for ops that are not pure array functions)."""
+def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Callable], Callable]:
+    """Registers a hand-written PrivateUse1 kernel (for ops that are not pure array functions).
+
+    Such kernels may compute on arrays directly and read values on the host, so in fused mode they
+    run as in strict mode (:func:`executor.eager_section`). ``fusable=True`` is for kernels that
+    only pass arrays through the executor (copies, allocation), which fused mode can record.
+    """
 
     def deco(fn: Callable) -> Callable:
+        run = fn
+        if not fusable:
+
+            @functools.wraps(fn)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if executor.get_eager_mode() is not executor.EagerMode.FUSED:
+                    return fn(*args, **kwargs)
+                with executor.eager_section():
+                    return fn(*args, **kwargs)
+
         for op in ops:
-            register_kernel(op, fn, "kernel")
+            register_kernel(op, run, "kernel")
         return fn
 
     return deco

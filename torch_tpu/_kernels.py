@@ -48,13 +48,13 @@ def _check_size(op: str, size) -> tuple[int, ...]:
     return shape
 
 
-@kernel(aten.empty.memory_format)
+@kernel(aten.empty.memory_format, fusable=True)
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     _check_device(device)
     return new_tensor(_check_size("empty", size), dtype or torch.get_default_dtype())
 
 
-@kernel(aten.empty_strided.default)
+@kernel(aten.empty_strided.default, fusable=True)
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     # XLA arrays are dense: the result is contiguous whatever stride was asked (as on XLA devices).
     _check_device(device)
@@ -69,7 +69,7 @@ def host_to_device(t: torch.Tensor) -> Any:
     return jax.device_put(data)
 
 
-@kernel(aten._copy_from.default)
+@kernel(aten._copy_from.default, fusable=True)
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     metrics.op_counts["aten._copy_from"] += 1
     if is_tpu(dst):
@@ -84,14 +84,14 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
-@kernel(aten._copy_from_and_resize.default)
+@kernel(aten._copy_from_and_resize.default, fusable=True)
 def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if tuple(dst.shape) != tuple(src.shape):
         dst.resize_(src.shape)
     return _copy_from(src, dst)
 
 
-@kernel(aten._to_copy.default)
+@kernel(aten._to_copy.default, fusable=True)
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
     """``.to()`` from tpu. To the host, the copy is synchronous, so ``non_blocking`` needs no pinned
@@ -166,7 +166,7 @@ for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.defa
     register_kernel(_op, _view_kernel(_op), "view (meta)")
 
 
-@kernel(aten.as_strided_.default)
+@kernel(aten.as_strided_.default, fusable=True)
 def _as_strided_(t: torch.Tensor, size, stride, storage_offset=None) -> torch.Tensor:
     """The in-place view ops (unsqueeze_, transpose_, t_, squeeze_, ...) all land here: new
     geometry over the same storage, checked against the base array's size as CPU checks it."""
@@ -236,7 +236,7 @@ def _storage_value(st: Any, dtype: torch.dtype) -> Any:
     return st
 
 
-@kernel(aten.set_.source_Storage_storage_offset)
+@kernel(aten.set_.source_Storage_storage_offset, fusable=True)
 def _set_storage(t, source, storage_offset, size, stride=()):
     st = _storage_value(source, t.dtype)
     if st._dtype != t.dtype:
@@ -246,20 +246,20 @@ def _set_storage(t, source, storage_offset, size, stride=()):
     return t
 
 
-@kernel(aten.set_.source_Storage)
+@kernel(aten.set_.source_Storage, fusable=True)
 def _set_storage_whole(t, source):
     st = _storage_value(source, t.dtype)
     return _set_storage(t, source, 0, [math.prod(st._shape)], [1])
 
 
-@kernel(aten.set_.source_Tensor)
+@kernel(aten.set_.source_Tensor, fusable=True)
 def _set_tensor(t, source):
     if not is_tpu(source):
         raise device_mismatch("aten.set_", source.device)
     return _set_storage(t, source.untyped_storage(), source.storage_offset(), list(source.shape), list(source.stride()))
 
 
-@kernel(aten.set_.default)
+@kernel(aten.set_.default, fusable=True)
 def _set_empty(t):
     set_base(t, (0,), t.dtype, None)
     return t

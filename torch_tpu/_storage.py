@@ -22,7 +22,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 DK = torch._C.DispatchKey
@@ -217,8 +217,8 @@ def base_array(st: Any) -> Any:
     a = st._jx
     if a is None:
         a = st._jx = execute(_zeros_program(st._shape, _dtypes.to_jax(st._dtype)))
-    elif type(a) is fused.Lazy and a.value is not None:
-        a = st._jx = a.value  # computed by a fused trace: drop the placeholder
+    elif type(a) is fused.Lazy and (a.value is not None or not executor.recording()):
+        a = st._jx = fused.concrete(a)  # computed (or needed now, outside fused mode): drop the placeholder
     return a
 
 

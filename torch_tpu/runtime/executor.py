@@ -14,10 +14,11 @@ The mode is process-wide, not per thread: autograd runs backward on its own thre
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -51,6 +52,11 @@ def get_eager_mode() -> EagerMode:
     return _mode
 
 
+def recording() -> bool:
+    """True in fused mode (outside an :func:`eager_section`): programs are recorded, not run."""
+    return _mode is EagerMode.FUSED
+
+
 class _ModeSetter:
     """Returned by :func:`set_eager_mode`: the switch has happened; as a context it restores."""
 
@@ -75,6 +81,19 @@ def set_eager_mode(mode: EagerMode | str) -> _ModeSetter:
     fused.flush()
     _mode = mode
     return _ModeSetter(previous)
+
+
+@contextlib.contextmanager
+def eager_section() -> Iterator[None]:
+    """Runs the body op by op (as in strict mode) even in fused mode, with every value concrete:
+    for hand-written kernels that compute on arrays directly or read values on the host."""
+    global _mode
+    previous = _mode
+    _mode = EagerMode.STRICT
+    try:
+        yield
+    finally:
+        _mode = previous
 
 
 class Program:

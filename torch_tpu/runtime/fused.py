@@ -98,6 +98,7 @@ def _avals_of(node: Node) -> list:
 def _ensure_avals(program: Any, inputs: list) -> list:
     if program.avals is None:
         out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
+        program.multi = isinstance(out, (tuple, list))  # what the function returns decides
         program.avals = list(out) if program.multi else [out]
     return program.avals
 
