@@ -159,12 +159,20 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 _SKIPPED: list[str] = []
 
 
+_BENEATH_THE_DISPATCHER = (
+    "torch_tpu._dispatch", "torch_tpu._kernels", "torch_tpu._storage", "torch_tpu._fallback", "torch_tpu._host",
+    "torch_tpu._autocast", "torch_tpu._dtypes", "torch_tpu._rng", "torch_tpu._device", "torch_tpu.runtime",
+    "torch_tpu.ops", "torch_tpu.compile", "jax", "jaxlib", "ml_dtypes",
+)
+
+
 def skip_our_frames() -> None:
     """Dynamo must never trace torch_tpu's kernels or the jax code they call: they run beneath
-    the dispatcher, also when eager code between graph breaks calls them."""
+    the dispatcher, also when eager code between graph breaks calls them. User-facing wrappers
+    (``jax_op`` functions) stay traceable, so their ops land in the graph."""
     from torch._dynamo import trace_rules
 
-    for name in ("torch_tpu", "jax", "jaxlib", "ml_dtypes"):
+    for name in _BENEATH_THE_DISPATCHER:
         if name not in _SKIPPED:
             trace_rules.add(name)
             _SKIPPED.append(name)
