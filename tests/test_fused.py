@@ -114,22 +114,27 @@ def test_recompile_explainer_names_the_changed_shape(fused_mode, monkeypatch):
     assert len(texts) == 1 and "drop_last=True" in texts[0]
 
 
-def test_error_at_sync_names_op_and_line(fused_mode, monkeypatch):
+def _broken(self):
+    raise ValueError("broken lowering")
+
+
+def test_lowering_error_surfaces_at_the_op_as_in_strict_mode(fused_mode):
+    from torch_tpu import _dispatch
     from torch_tpu.ops import _registry
 
-    op = torch.ops.aten.neg.default
-    good = _registry.LOWERINGS[op]
-    from torch_tpu import _dispatch
+    bad_kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(_broken), "functional")
+    with pytest.raises(RuntimeError, match=r"aten\.neg\.default\(float32\[2\]\) failed: ValueError: broken lowering"):
+        bad_kernel(torch.ones(2, device="tpu"))  # traced abstractly when recorded
 
-    def broken(self):
-        raise ValueError("broken lowering")
 
-    bad_kernel = _dispatch._OpKernel(op, _registry.Lowering(broken), "functional")
+def test_error_at_sync_names_op_and_line(fused_mode):
     x = torch.ones(2, device="tpu")
-    y = bad_kernel(x)  # recorded, not run
+    y = x.neg()  # recorded
+    node = fused._pending[-1]
+    node.program = copy.copy(node.program)  # a program that fails only when the trace is compiled
+    node.program.fn = _broken
     with pytest.raises(RuntimeError, match=r"aten\.neg\.default.*recorded at .*test_fused\.py:\d+.*broken lowering"):
         y.cpu()
-    assert _registry.LOWERINGS[op] is good
 
 
 def test_length_cap_flushes(fused_mode, monkeypatch):

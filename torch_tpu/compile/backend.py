@@ -136,14 +136,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
             statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
 
-            def body(rng: list, *xs: Any, _statics=statics, _n=len(key)) -> tuple:
-                it = iter(xs)
+            def body(*xs: Any, _statics=statics, _n=len(key)) -> tuple:
+                # the first 2 * n_random inputs are the random ops' (seed, counter) pairs
+                rng = [(xs[2 * i], xs[2 * i + 1]) for i in range(n_random)]
+                it = iter(xs[2 * n_random:])
                 return fn(rng, *[_statics[i] if i in _statics else next(it) for i in range(_n)])
 
             program = cache[tuple(key)] = Program(f"{name} {[k for k in key if isinstance(k, tuple)]}", body,
                                                   multi=True)
-        rng = [tuple(_rng.next_inputs()) for _ in range(n_random)]
-        outs = execute(program, rng, *arrays)
+        rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
+        outs = execute(program, *rng, *arrays)
         results = []
         for o, meta in zip(outs, out_metas):
             if isinstance(meta, torch.Tensor):

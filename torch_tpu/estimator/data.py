@@ -7,7 +7,7 @@ new XLA program, so it is padded to the full size and the padded rows are masked
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +116,39 @@ def prefetch(loader: Iterable, prepare: Any, skip: int = 0) -> Iterator[tuple[in
             yield cur_index, cur
             return
         yield cur_index, cur
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``length``."""
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"a sequence of length {length} is longer than the largest bucket {max(buckets)}")
+
+
+def pad_sequences(raw: Any, buckets: Sequence[int]) -> Any:
+    """Pads dim 1 of every tensor with at least 2 dims up to its bucket, so variable-length
+    batches make a few programs instead of one per length.
+
+    The target (the last element of a tuple, or ``"labels"`` of a dict) is padded with -100, the
+    index cross entropy ignores; everything else with 0 (a pad token id, or "masked" in an
+    attention mask). Right padding leaves a causal model's outputs at real positions unchanged.
+    """
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        if t.dim() < 2:
+            return t
+        n = bucket_for(t.shape[1], buckets)
+        if n == t.shape[1]:
+            return t
+        filler = torch.full((t.shape[0], n - t.shape[1], *t.shape[2:]), value, dtype=t.dtype)
+        return torch.cat([t, filler], 1)
+
+    if isinstance(raw, dict):
+        return {k: (pad(v, -100 if k == "labels" else 0) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+    if isinstance(raw, (tuple, list)):
+        last = len(raw) - 1
+        out = [pad(v, -100 if i == last and last > 0 and not v.is_floating_point() else 0)
+               if isinstance(v, torch.Tensor) else v for i, v in enumerate(raw)]
+        return type(raw)(out) if not hasattr(raw, "_fields") else type(raw)(*out)
+    return pad(raw, 0) if isinstance(raw, torch.Tensor) else raw

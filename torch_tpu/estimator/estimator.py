@@ -32,7 +32,17 @@ from torch import nn
 
 import torch_tpu
 from torch_tpu.estimator import checkpoint as ckpt
-from torch_tpu.estimator.data import Batch, batch_size, map_tensors, pad_rows, shapes_of, split
+from torch_tpu.estimator.data import (
+    Batch,
+    batch_size,
+    bucket_for,
+    map_tensors,
+    pad_rows,
+    pad_sequences,
+    shapes_of,
+    split,
+    tensors_in,
+)
 from torch_tpu.estimator.history import History
 from torch_tpu.runtime import fused
 
@@ -180,6 +190,8 @@ class TPUEstimator:
     whole step), or ``"strict"`` (op by op, for debugging).
     ``seed``: seeds torch (CPU and tpu) now, so model initialisation is reproducible too.
     ``verbose``: progress bar and compile log lines (only when stderr is a terminal).
+    ``bucket_lengths``: pad dim 1 (the sequence) of batch tensors up to the next of these lengths,
+    targets with -100 (ignored by the loss), so variable-length batches compile a few programs.
     ``checkpoint_every``: save every N steps (epoch ends and interrupts always save when fit has a
     ``checkpoint_dir``). ``keep_checkpoints``: how many to keep. ``stop_on_nonfinite``: a NaN or inf
     loss raises ``FloatingPointError`` naming the step (else it is only recorded).
@@ -197,6 +209,7 @@ class TPUEstimator:
         keep_checkpoints: int = 2,
         stop_on_nonfinite: bool = True,
         pad_last_batch: bool = True,
+        bucket_lengths: Sequence[int] | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(_MODES)}")
@@ -225,9 +238,12 @@ class TPUEstimator:
         self.keep_checkpoints = keep_checkpoints
         self.stop_on_nonfinite = stop_on_nonfinite
         self.pad_last_batch = pad_last_batch
+        self.bucket_lengths = sorted(bucket_lengths) if bucket_lengths else None
         self.stop_training = False
         self.last_predict_stats: dict[str, float] = {}
-        self._compiled_steps: dict[Any, Callable] = {}
+        self._warned_uneven = False
+        self._mesh_obj: Any = None
+        self._mesh_key: tuple | None = None
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -256,9 +272,61 @@ class TPUEstimator:
             f"mode={self.mode!r})"
         )
 
+    # ------------------------------------------------------------------ data parallel
+    def _data_mesh(self, rows: int | None) -> Any:
+        """A 1-D ``"data"`` mesh over this estimator's devices when there are several and the batch
+        divides evenly among them; else None (one device)."""
+        if len(self._jax_devices) < 2:
+            return None
+        if rows is not None and rows % len(self._jax_devices):
+            if not self._warned_uneven:
+                self._warned_uneven = True
+                log.warning("batch size %d does not divide over %d devices: running on one device",
+                            rows, len(self._jax_devices))
+            return None
+        try:
+            from torch_tpu import distributed
+        except ImportError:  # pragma: no cover - the distributed module is optional
+            return None
+        key = tuple(id(d) for d in self._jax_devices)
+        if self._mesh_key != key:
+            self._mesh_obj, self._mesh_key = distributed.mesh(len(self._jax_devices), "data",
+                                                              devices=self._jax_devices), key
+        return self._mesh_obj
+
+    def _place_model(self, model: nn.Module, mesh: Any) -> None:
+        """Parameters and buffers replicated on every device of the mesh."""
+        if mesh is not None:
+            from torch_tpu import distributed
+
+            distributed.replicate_module(model, mesh)
+
+    @staticmethod
+    def _shard_batch(b: Batch, mesh: Any) -> None:
+        """Splits every batch tensor along its rows over the mesh: XLA then reduces the gradients."""
+        if mesh is None:
+            return
+        from torch_tpu import distributed
+
+        n = mesh.devices.size
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() and t.shape[0] % n == 0:
+                distributed.shard(t, mesh, ("data",))
+            return t
+
+        map_tensors((b.args, b.kwargs, b.target, b.mask), place)
+
     # ------------------------------------------------------------------ plumbing
+    def _to_device(self, model: nn.Module) -> None:
+        """Moves ``model`` to the tpu unless it is there already (a no-op move would still swap every
+        parameter, which fails once torch.compile holds weak references to them)."""
+        if any(t.device.type != "tpu" for t in (*model.parameters(), *model.buffers())):
+            model.to(self.device)
+
     def _eager_mode(self) -> contextlib.AbstractContextManager:
-        return torch_tpu.set_eager_mode("strict" if self.mode == "strict" else "fused")
+        # Compile mode runs what Dynamo leaves outside its graphs op by op (strict).
+        return torch_tpu.set_eager_mode("fused" if self.mode == "fused" else "strict")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -267,7 +335,7 @@ class TPUEstimator:
 
     def _end_step(self) -> None:
         """Cuts the fused trace: what the step recorded runs now, as one program, asynchronously."""
-        if self.mode != "strict":
+        if self.mode == "fused":
             fused.flush("step")
 
     @staticmethod
@@ -315,9 +383,11 @@ class TPUEstimator:
     def _loader_batch_size(loader: Iterable) -> int | None:
         return getattr(loader, "batch_size", None)
 
-    def _prepare(self, raw: Any, full: int | None, padding: bool, with_target: bool = True) -> Batch:
+    def _prepare(self, raw: Any, full: int | None, padding: bool, with_target: bool = True, mesh: Any = None) -> Batch:
         """Pads a partial batch on the host (when the loss can mask it), then sends it to the device."""
         n = batch_size(raw)
+        if self.bucket_lengths:
+            raw = pad_sequences(raw, self.bucket_lengths)
         padded = padding and full is not None and n < full and isinstance(raw, (tuple, list)) and len(raw) >= 2
         if padded:
             raw_dev = pad_rows(raw, full)
@@ -328,7 +398,8 @@ class TPUEstimator:
         b.size = n
         b.padded_to = full if padded else None
         b.mask = (torch.arange(rows) < n).float().to(self.device, non_blocking=True)
-        b.raw = raw  # the unpadded host batch, for custom losses and error messages
+        b.raw = raw  # the host batch without row padding, for custom losses and error messages
+        self._shard_batch(b, mesh)
         return b
 
     # ------------------------------------------------------------------ the step
@@ -377,19 +448,22 @@ class TPUEstimator:
                 report = loss.detach() if report is None else report + loss.detach()
             return report.float()
 
-        # Compile mode compiles forward and backward; the optimizer runs in fused mode, where the
-        # learning rate is a runtime value (Dynamo would recompile whenever a scheduler changes it).
-        fb = torch.compile(forward_backward, backend="tpu") if self.mode == "compile" else forward_backward
-
         def step(micro: list[Batch]) -> torch.Tensor:
-            report = fb(micro)
+            report = forward_backward(micro)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return report
 
-        return step
+        if self.mode != "compile":
+            return step
+        # Dynamo specialises on a Python-float learning rate and would recompile whenever a
+        # scheduler changes it; as a 0-dim tensor it is a graph input.
+        for g in opt.param_groups:
+            if not isinstance(g["lr"], torch.Tensor):
+                g["lr"] = torch.tensor(float(g["lr"]))
+        return torch.compile(step, backend="tpu")
 
     # ------------------------------------------------------------------ fit
     def fit(
@@ -424,7 +498,7 @@ class TPUEstimator:
             raise ValueError(f"grad_accum_steps={grad_accum_steps}: must be at least 1")
         if hasattr(train_loader, "__len__") and len(train_loader) == 0:
             raise ValueError("train_loader is empty: it yields no batches")
-        model.to(self.device)
+        self._to_device(model)
         opt = self._make_optimizer(model, optimizer)
         sched = self._make_scheduler(scheduler, opt)
         cbs = [c if isinstance(c, Callback) else _StepEndCallable(c) for c in callbacks]
@@ -444,6 +518,7 @@ class TPUEstimator:
         history = run.history
         full = self._loader_batch_size(train_loader)
         padding = self.pad_last_batch and loss_fn is None
+        mesh: Any = _UNSET
         compiles0, seconds0 = self._compile_counters()
         base_compiles, base_seconds = history.programs_compiled, history.compile_seconds
 
@@ -525,7 +600,10 @@ class TPUEstimator:
                         raw = raw_next
                         if full is None:
                             full = batch_size(raw)
-                        b = self._prepare(raw, full, padding)
+                        if mesh is _UNSET:
+                            mesh = self._data_mesh(full)
+                            self._place_model(model, mesh)
+                        b = self._prepare(raw, full, padding, mesh=mesh)
                         b.index, index = index, index + 1
                         group.append(b)
                         raw_next = _safe_next(it)  # the next batch loads while this step runs
@@ -632,17 +710,21 @@ class TPUEstimator:
         """The mean loss over ``loader`` and each metric: ``"accuracy"``, ``"mse"`` or a callable
         ``metric(outputs, target) -> number`` (averaged over batches, weighted by rows)."""
         named = _named_metrics(metrics)
-        model.to(self.device)
+        self._to_device(model)
         model.eval()
         full = self._loader_batch_size(loader)
         sums: dict[str, list] = {}
         seen = 0
+        mesh: Any = _UNSET
         ctx = contextlib.nullcontext() if _nested else self._eager_mode()
         with ctx, torch.no_grad():
             for i, raw in enumerate(loader):
                 if full is None:
                     full = batch_size(raw)
-                b = self._prepare(raw, full, self.pad_last_batch and loss_fn is None)
+                if mesh is _UNSET:
+                    mesh = self._data_mesh(full)
+                    self._place_model(model, mesh)
+                b = self._prepare(raw, full, self.pad_last_batch and loss_fn is None, mesh=mesh)
                 seen += 1
                 try:
                     with self._autocast():
@@ -681,30 +763,43 @@ class TPUEstimator:
 
     def predict(self, model: nn.Module, loader: Iterable) -> Any:
         """Runs ``model`` over ``loader`` without gradients and returns its outputs as CPU tensors,
-        concatenated in loader order. Batches follow ``fit``'s forms; a tuple ``(inputs..., target)``
+        concatenated in loader order (a list of per-batch tensors when their shapes differ beyond the
+        batch dim, as variable-length sequences do). Batches follow ``fit``'s forms; a tuple ``(inputs..., target)``
         drops its last element, a 1-tuple or single tensor is all input. The last partial batch is
         padded (one program for every batch) and the padding cut from the result.
         Throughput and latency land in ``est.last_predict_stats``."""
-        model.to(self.device)
+        self._to_device(model)
         model.eval()
         full = self._loader_batch_size(loader)
         outs: list[Any] = []
         pending: list[tuple[Any, int]] = []
         t0 = time.perf_counter()
         rows = batches = 0
+        mesh: Any = _UNSET
         with self._eager_mode(), torch.no_grad():
             for i, raw in enumerate(loader):
                 n = batch_size(raw)
                 if full is None:
                     full = n
-                host = pad_rows(raw, full) if self.pad_last_batch and n < full else raw
+                if mesh is _UNSET:
+                    mesh = self._data_mesh(full)
+                    self._place_model(model, mesh)
+                host = pad_sequences(raw, self.bucket_lengths) if self.bucket_lengths else raw
+                host = pad_rows(host, full) if self.pad_last_batch and n < full else host
                 b = split(host, self.device, with_target=True)
+                self._shard_batch(b, mesh)
                 try:
                     with self._autocast():
                         out = model(*b.args, **b.kwargs)
                 except (RuntimeError, ValueError, TypeError) as e:
                     raise BatchError(f"prediction failed on batch {i} with shapes {shapes_of(raw)}: {e}") from e
                 self._end_step()
+                if self.bucket_lengths:  # cut the sequence padding back off the outputs
+                    lengths = [t.shape[1] for t in tensors_in(raw) if t.dim() >= 2]
+                    if lengths:
+                        padded_len = bucket_for(lengths[0], self.bucket_lengths)
+                        out = map_tensors(out, lambda t, L=lengths[0], P=padded_len:
+                                          t[:, :L] if t.dim() >= 2 and t.shape[1] == P else t)
                 pending.append((out, n))
                 if len(pending) > 1:  # copy batch i-1 to the host while batch i runs
                     outs.append(_to_cpu_rows(*pending.pop(0)))
@@ -727,6 +822,7 @@ class TPUEstimator:
 
 # ---------------------------------------------------------------------- helpers
 _END = object()
+_UNSET = object()
 
 
 def _safe_next(it: Any) -> Any:
@@ -785,6 +881,8 @@ def _to_cpu_rows(out: Any, n: int) -> Any:
 def _concat(outs: list[Any]) -> Any:
     first = outs[0]
     if isinstance(first, torch.Tensor):
+        if any(o.shape[1:] != first.shape[1:] for o in outs):
+            return outs  # variable-length outputs: one tensor per batch
         return torch.cat(outs, 0)
     if isinstance(first, dict):
         return {k: _concat([o[k] for o in outs]) for k in first}

@@ -100,17 +100,16 @@ class Program:
     """A pure function of jax arrays, compiled by XLA the first time it runs.
 
     ``name`` is what errors and metrics show: the ATen op and the input signature.
-    ``multi``: the function returns a tuple of arrays. ``avals``: the outputs' shapes and dtypes,
-    when known up front; fused mode otherwise works them out once with ``jax.eval_shape``.
+    ``multi``: the function returns a tuple of arrays (fused mode finds out with ``jax.eval_shape``).
     """
 
-    __slots__ = ("name", "fn", "multi", "avals", "_jitted")
+    __slots__ = ("name", "fn", "multi", "shapes", "_jitted")
 
-    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False) -> None:
         self.name = name
         self.fn = fn
         self.multi = multi
-        self.avals = avals
+        self.shapes: dict[tuple, list] = {}  # fused mode: input signature -> output shapes and dtypes
         self._jitted: Callable[..., Any] | None = None
 
     def _compile_and_run(self, *inputs: Any) -> Any:

@@ -34,12 +34,13 @@ MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
 
 
 class Node:
-    __slots__ = ("program", "inputs", "site")
+    __slots__ = ("program", "inputs", "site", "avals")
 
-    def __init__(self, program: Any, inputs: list, site: tuple[str, int] | None) -> None:
+    def __init__(self, program: Any, inputs: list, site: tuple[str, int] | None, avals: list) -> None:
         self.program = program
         self.inputs = inputs
         self.site = site
+        self.avals = avals
 
 
 class _Ref:
@@ -84,23 +85,37 @@ def user_site() -> tuple[str, int] | None:
 
 def _spec(x: Any) -> Any:
     if type(x) is _Ref:
-        aval = _avals_of(x.node)[x.index]
+        aval = x.node.avals[x.index]
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_spec(y) for y in x)
     return x
 
 
-def _avals_of(node: Node) -> list:
-    return node.program.avals
+def _signature(x: Any) -> Any:
+    if type(x) is _Ref:
+        aval = x.node.avals[x.index]
+        return (tuple(aval.shape), str(aval.dtype))
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return (np.shape(x), str(x.dtype))
+    return type(x)
 
 
-def _ensure_avals(program: Any, inputs: list) -> list:
-    if program.avals is None:
-        out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
+def _avals_for(program: Any, inputs: list) -> list:
+    """The outputs' shapes and dtypes for these inputs. Tracing the program abstractly once per
+    input signature also raises a lowering's error here, at the op, as strict mode would."""
+    key = tuple(_signature(x) for x in inputs)
+    avals = program.shapes.get(key)
+    if avals is None:
+        try:
+            out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
+        except Exception as e:
+            raise RuntimeError(f"tpu: {program.name} failed: {type(e).__name__}: {e}") from e
         program.multi = isinstance(out, (tuple, list))  # what the function returns decides
-        program.avals = list(out) if program.multi else [out]
-    return program.avals
+        avals = program.shapes[key] = list(out) if program.multi else [out]
+    return avals
 
 
 def record(program: Any, inputs: tuple) -> Any:
@@ -112,12 +127,13 @@ def record(program: Any, inputs: tuple) -> Any:
                 ins.append(x.value if x.value is not None else _Ref(x.node, x.index))
             else:
                 ins.append(x)
-        avals = _ensure_avals(program, ins)
-        node = Node(program, ins, user_site())
+        avals = _avals_for(program, ins)
+        node = Node(program, ins, user_site(), avals)
         _pending.append(node)
-        outs = [Lazy(node, i, a) for i, a in enumerate(avals)]
+        outs = [None if a is None else Lazy(node, i, a) for i, a in enumerate(avals)]  # None: an undefined output
         for o in outs:
-            _live.add(o)
+            if o is not None:
+                _live.add(o)
         if len(_pending) >= MAX_OPS:
             flush(reason="length cap")
         return tuple(outs) if program.multi else outs[0]
@@ -201,8 +217,8 @@ def flush(reason: str = "sync") -> None:
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
-        del x, n
-        donate = _donatable(args, wiring_all, [_avals_of(nodes[i])[j] for i, j in want])
+        x = n = None  # drop the loop's references before counting them
+        donate = _donatable(args, wiring_all, [nodes[i].avals[j] for i, j in want])
         try:
             values, slots = cache.run_trace(tuple(wiring_all), donate, want, args, sites, user_site(), reason)
         except Exception as e:  # the trace is dropped; its tensors say why when read
