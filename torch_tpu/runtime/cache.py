@@ -93,6 +93,13 @@ def explain(old: Any, new: Any, sites: list) -> str:
     return "the same ops, but other values are kept alive as outputs"
 
 
+def _site_key(flush_site: Any, reason: str, key: Any) -> tuple:
+    """Where a trace comes from: the sync point, and the op that starts the trace (its name without
+    the signature). One line may end several different traces in a step (a loss read, then an
+    optimizer's own reads); only traces of the same family are compared with each other."""
+    return flush_site, reason, key[0][0].name.split("(")[0] if key else ""
+
+
 def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tuple[Any, float]:
     def replay(*a: Any) -> list:
         env: list = []
@@ -120,7 +127,7 @@ def run_trace(
             compiled, seconds = _build(key, donate, outputs, args)
         except Exception as e:
             raise _trace_error(e, key, sites) from e
-        site = (flush_site, reason)
+        site = _site_key(flush_site, reason, key)
         previous = _last_key_at_site.get(site)
         if previous is not None or entry is not None:
             why = explain(previous, key, sites) if entry is None else "new outputs are kept alive"
@@ -139,7 +146,7 @@ def run_trace(
     else:
         entry.hits += 1
         _stats["hits"] += 1
-        _last_key_at_site[(flush_site, reason)] = key
+        _last_key_at_site[_site_key(flush_site, reason, key)] = key
     entry.last_use = time.time()
     from torch_tpu.runtime import profiler
 
@@ -172,7 +179,7 @@ def _trace_error(e: Exception, key: Any, sites: list) -> Exception:
 
 
 def _record_recompile(site: Any, why: str) -> None:
-    text = f"{_site_text(site[0])} ({site[1]})"
+    text = f"{_site_text(site[0])} ({site[1]}, trace starting with {site[2]})"
     recompiles.append(Recompile(text, why))
     _site_recompiles[site] += 1
     if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
