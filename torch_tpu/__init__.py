@@ -40,6 +40,7 @@ from torch_tpu._device import platform  # noqa: E402
 from torch_tpu.compile.export import export, load  # noqa: E402
 from torch_tpu.custom import jax_op  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
+from torch_tpu.runtime import fused as _fused  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
 from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
@@ -47,6 +48,7 @@ from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
+_fused.install_step_boundary()
 
 
 def sync() -> None:

@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import torch
 
@@ -162,7 +163,8 @@ class _OpKernel:
                 outs.append(r)
             return tuple(outs)
 
-        return Program(f"{name}({sig})", program, multi=True), avals
+        out_avals = [jax.ShapeDtypeStruct(shape, jdt) for (shape, _), jdt in zip(avals, jax_dtypes)]
+        return Program(f"{name}({sig})", program, multi=True, avals=out_avals), avals
 
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -190,6 +190,8 @@ class TPUEstimator:
     whole step), or ``"strict"`` (op by op, for debugging).
     ``seed``: seeds torch (CPU and tpu) now, so model initialisation is reproducible too.
     ``verbose``: progress bar and compile log lines (only when stderr is a terminal).
+    ``sharding``: with several devices, ``"dp"`` replicates parameters and splits each batch;
+    ``"fsdp"`` also splits parameters and optimizer state along their first dim (where it divides).
     ``bucket_lengths``: pad dim 1 (the sequence) of batch tensors up to the next of these lengths,
     targets with -100 (ignored by the loss), so variable-length batches compile a few programs.
     ``checkpoint_every``: save every N steps (epoch ends and interrupts always save when fit has a
@@ -210,9 +212,12 @@ class TPUEstimator:
         stop_on_nonfinite: bool = True,
         pad_last_batch: bool = True,
         bucket_lengths: Sequence[int] | None = None,
+        sharding: str = "dp",
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(_MODES)}")
+        if sharding not in ("dp", "fsdp"):
+            raise ValueError(f"sharding={sharding!r}: expected 'dp' (replicated parameters) or 'fsdp' (sharded)")
         if precision not in _PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)}")
         local = list(jax.local_devices())
@@ -239,9 +244,11 @@ class TPUEstimator:
         self.stop_on_nonfinite = stop_on_nonfinite
         self.pad_last_batch = pad_last_batch
         self.bucket_lengths = sorted(bucket_lengths) if bucket_lengths else None
+        self.sharding = sharding
         self.stop_training = False
         self.last_predict_stats: dict[str, float] = {}
         self._warned_uneven = False
+        self._ones: dict[int, torch.Tensor] = {}
         self._mesh_obj: Any = None
         self._mesh_key: tuple | None = None
         if seed is not None:
@@ -295,11 +302,33 @@ class TPUEstimator:
         return self._mesh_obj
 
     def _place_model(self, model: nn.Module, mesh: Any) -> None:
-        """Parameters and buffers replicated on every device of the mesh."""
-        if mesh is not None:
-            from torch_tpu import distributed
+        """Parameters and buffers on the mesh: replicated (``dp``) or split along dim 0 (``fsdp``)."""
+        if mesh is None:
+            return
+        from torch_tpu import distributed
 
+        if self.sharding == "dp":
             distributed.replicate_module(model, mesh)
+            return
+        for t in (*model.parameters(), *model.buffers()):
+            self._shard_rows(t, mesh)
+
+    def _shard_rows(self, t: torch.Tensor, mesh: Any) -> None:
+        from torch_tpu import distributed
+
+        if t.dim() and t.shape[0] % mesh.devices.size == 0:
+            distributed.shard(t, mesh, ("data",))
+        else:
+            distributed.replicate(t, mesh)
+
+    def _place_optimizer_state(self, opt: torch.optim.Optimizer, mesh: Any) -> None:
+        """``fsdp``: the optimizer state (made on the first step) split like its parameters."""
+        if mesh is None or self.sharding != "fsdp":
+            return
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.device.type == "tpu" and v.dim():
+                    self._shard_rows(v, mesh)
 
     @staticmethod
     def _shard_batch(b: Batch, mesh: Any) -> None:
@@ -347,7 +376,7 @@ class TPUEstimator:
         from tqdm.auto import tqdm
 
         quiet = not self.verbose or not sys.stderr.isatty()
-        return tqdm(total=total, desc=desc, disable=quiet, leave=True, dynamic_ncols=True, unit="step")
+        return tqdm(total=total, desc=desc, disable=quiet, leave=True, unit="step")
 
     def _say(self, bar: Any, text: str) -> None:
         log.info(text)
@@ -397,7 +426,12 @@ class TPUEstimator:
         rows = full if padded else n
         b.size = n
         b.padded_to = full if padded else None
-        b.mask = (torch.arange(rows) < n).float().to(self.device, non_blocking=True)
+        if n == rows:  # a full batch: one mask of ones, sent once
+            if self._ones.get(rows) is None:
+                self._ones[rows] = torch.ones(rows).to(self.device)
+            b.mask = self._ones[rows]
+        else:
+            b.mask = (torch.arange(rows) < n).float().to(self.device, non_blocking=True)
         b.raw = raw  # the host batch without row padding, for custom losses and error messages
         self._shard_batch(b, mesh)
         return b
@@ -516,6 +550,7 @@ class TPUEstimator:
                 run.step, run.epoch, run.batch = resumed["step"], resumed["epoch"], resumed["batch"]
                 self._say_plain(f"resumed from {path} at epoch {run.epoch}, step {run.step}")
         history = run.history
+        first_step = run.step
         full = self._loader_batch_size(train_loader)
         padding = self.pad_last_batch and loss_fn is None
         mesh: Any = _UNSET
@@ -618,6 +653,8 @@ class TPUEstimator:
                                 raise
                             where = "; ".join(f"batch {g.index} with shapes {shapes_of(g.raw)}" for g in group)
                             raise BatchError(f"training failed on {where}: {type(e).__name__}: {e}") from e
+                        if run.step == first_step and mesh is not _UNSET:
+                            self._place_optimizer_state(opt, mesh)
                         lr = float(opt.param_groups[0]["lr"])  # the rate this step used
                         if sched is not None:
                             sched.step()
@@ -653,8 +690,10 @@ class TPUEstimator:
                         if self.stop_training or (max_steps is not None and run.step >= max_steps):
                             break
                     drain()
-                    bar.close()
                     seconds = time.perf_counter() - t_epoch
+                    if history.steps and "loss" in history.steps[-1]:
+                        bar.set_postfix(loss=f"{history.steps[-1]['loss']:.4g}", samples_s=f"{samples / seconds:.0f}")
+                    bar.close()
                     ep_losses = [s["loss"] for s in history.steps if s["epoch"] == epoch]
                     logs: dict[str, Any] = {
                         "epoch": epoch,

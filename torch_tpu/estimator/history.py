@@ -65,15 +65,13 @@ class History:
 
     def plot(self, path: str) -> str:
         """Saves a PNG of the step loss, the epoch losses and every per-epoch metric; returns ``path``."""
-        import matplotlib
+        from matplotlib.figure import Figure  # no pyplot: the user's backend and figures stay untouched
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        names = sorted({k for e in self.epochs for k in e if k not in ("epoch", "loss", "samples", "seconds",
-                                                                        "samples_per_s", "val_loss")})
+        skip = {"epoch", "loss", "samples", "seconds", "samples_per_s", "val_loss", "last_step"}
+        names = sorted({k for e in self.epochs for k in e if k not in skip})
         panels = 1 + len(names)
-        fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6), squeeze=False)
+        fig = Figure(figsize=(5 * panels, 3.6))
+        axes = fig.subplots(1, panels, squeeze=False)
         ax = axes[0][0]
         ax.plot([s["step"] for s in self.steps], self.loss, lw=0.8, label="train (step)")
         if self.epochs:
@@ -94,7 +92,6 @@ class History:
             ax.set_title(name)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def __repr__(self) -> str:

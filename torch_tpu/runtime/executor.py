@@ -103,12 +103,13 @@ class Program:
     ``multi``: the function returns a tuple of arrays (fused mode finds out with ``jax.eval_shape``).
     """
 
-    __slots__ = ("name", "fn", "multi", "shapes", "_jitted")
+    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "_jitted")
 
-    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None) -> None:
         self.name = name
         self.fn = fn
         self.multi = multi
+        self.fixed = avals  # the outputs' shapes and dtypes when the program has one input signature
         self.shapes: dict[tuple, list] = {}  # fused mode: input signature -> output shapes and dtypes
         self._jitted: Callable[..., Any] | None = None
 

@@ -97,24 +97,30 @@ def _spec(x: Any) -> Any:
 def _signature(x: Any) -> Any:
     if type(x) is _Ref:
         aval = x.node.avals[x.index]
-        return (tuple(aval.shape), str(aval.dtype))
+        return (tuple(aval.shape), aval.dtype)
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return (np.shape(x), str(x.dtype))
+        return (np.shape(x), x.dtype)
     return type(x)
 
 
 def _avals_for(program: Any, inputs: list) -> list:
     """The outputs' shapes and dtypes for these inputs. Tracing the program abstractly once per
     input signature also raises a lowering's error here, at the op, as strict mode would."""
-    key = tuple(_signature(x) for x in inputs)
+    fixed = program.fixed
+    if fixed is not None and program.shapes:
+        return fixed  # one signature per program (the dispatcher's), already checked
+    key = () if fixed is not None else tuple(_signature(x) for x in inputs)
     avals = program.shapes.get(key)
     if avals is None:
         try:
             out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
         except Exception as e:
             raise RuntimeError(f"tpu: {program.name} failed: {type(e).__name__}: {e}") from e
-        program.multi = isinstance(out, (tuple, list))  # what the function returns decides
-        avals = program.shapes[key] = list(out) if program.multi else [out]
+        if fixed is not None:
+            avals = program.shapes[key] = fixed
+        else:
+            program.multi = isinstance(out, (tuple, list))  # what the function returns decides
+            avals = program.shapes[key] = list(out) if program.multi else [out]
     return avals
 
 
@@ -150,6 +156,22 @@ def concrete(x: Any) -> Any:
     return x.value
 
 
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The end of an optimizer step ends a training step: the trace is dispatched (asynchronously)
+    so the device runs this step while Python records the next, and every step is the same
+    program whatever the loop reads on the host."""
+    from torch_tpu.runtime import executor
+
+    if executor.recording() and _pending:
+        flush(reason="optimizer step")
+
+
+def install_step_boundary() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 def pending_count() -> int:
     return len(_pending)
 
@@ -172,13 +194,13 @@ def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]
                 uses[w[1]] = uses.get(w[1], 0) + 1
     free: dict[tuple, int] = {}
     for a in out_avals:
-        k = (tuple(a.shape), str(a.dtype))
+        k = (tuple(a.shape), a.dtype)
         free[k] = free.get(k, 0) + 1
     donate = []
     for p, count in uses.items():
         # references: the args list, one per use in the recorded nodes, and getrefcount's own
         if isinstance(args[p], jax.Array) and sys.getrefcount(args[p]) <= count + 2:
-            k = (tuple(args[p].shape), str(args[p].dtype))
+            k = (tuple(args[p].shape), args[p].dtype)
             if free.get(k):
                 free[k] -= 1
                 donate.append(p)
@@ -213,7 +235,7 @@ def flush(reason: str = "sync") -> None:
                     if p is None:
                         p = arg_pos[k] = len(args)
                         args.append(x)
-                    wiring.append(("a", p, tuple(np.shape(x)), str(x.dtype), _layout(x)))
+                    wiring.append(("a", p, tuple(np.shape(x)), x.dtype, _layout(x)))
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
