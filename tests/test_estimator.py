@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -238,12 +239,14 @@ def test_history_plot_to_dict_callbacks_and_early_stopping(tmp_path):
 
 # ---------------------------------------------------------------------- checkpoints
 class _StopAt(Callback):
+    """Ctrl-C at a step: the estimator notes the signal, finishes the step, saves and re-raises."""
+
     def __init__(self, step):
         self.step = step
 
     def on_step_end(self, est, logs):
         if logs["step"] == self.step:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
@@ -280,8 +283,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
 
 
 # ---------------------------------------------------------------------- errors
-def test_clear_errors():
-    est = TPUEstimator(verbose=False)
+def test_clear_errors(tmp_path, capsys):
+    est = TPUEstimator(verbose=True, checkpoint_every=1)  # verbose, but stderr is no terminal: quiet
     x, y = classification_data(48).tensors
     bad = [(x[:16], y[:16]), (x[16:32], y[16:32]), (torch.randn(16, 5), y[:16])]
     with pytest.raises(BatchError, match=r"batch 2 with shapes \(\(16, 5\), \(16,\)\)"):
@@ -293,20 +296,40 @@ def test_clear_errors():
     xs = x.clone()
     xs[20] = float("nan")
     with pytest.raises(FloatingPointError, match="step 2"):
-        est.fit(mlp(), DataLoader(TensorDataset(xs, y), batch_size=16))
+        est.fit(mlp(), DataLoader(TensorDataset(xs, y), batch_size=16), checkpoint_dir=str(tmp_path))
+    from torch_tpu.estimator import checkpoint
+
+    assert checkpoint.latest(str(tmp_path)).endswith("step-00000001")  # the last good one
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------------- modes and precision
-def test_compile_mode_matches_cpu():
+def test_compile_mode_matches_cpu_and_a_scheduler_does_not_recompile():
     torch._dynamo.reset()
     data = regression_data(64)
     cpu = mlp(out=1)
     tpu = copy.deepcopy(cpu)
     loader = DataLoader(data, batch_size=16)
-    want = cpu_reference(cpu, loader, nn.functional.mse_loss, epochs=2)
-    h = TPUEstimator(mode="compile", verbose=False).fit(tpu, loader, epochs=2)
+    opt = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.8)
+    want = []
+    for _ in range(2):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(cpu(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            want.append(loss.item())
+    compiles = []
+    h = TPUEstimator(mode="compile", verbose=False).fit(
+        tpu, loader, epochs=2, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        scheduler=lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.8),
+        callbacks=[lambda est, logs: compiles.append(torch_tpu.metrics()["compile_count"])],
+    )
     torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
     assert_weights_equal(tpu, cpu)
+    assert compiles[2] == compiles[-1], compiles  # a changing learning rate compiles nothing new
     torch._dynamo.reset()
 
 
@@ -322,3 +345,81 @@ def test_bf16_loss_within_2_percent_of_fp32():
         final[precision] = sum(h.loss[-8:]) / 8
         assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
     assert abs(final["bf16"] - final["fp32"]) / final["fp32"] < 0.02, final
+
+
+# ---------------------------------------------------------------------- data parallel
+_DP_SCRIPT = r"""
+import copy, sys, torch, torch_tpu
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch_tpu.estimator import TPUEstimator
+from torch_tpu.distributed import sharding_of
+g = torch.Generator().manual_seed(1)
+x = torch.randn(100, 8, generator=g); y = (x[:, 0] > 0).long()
+torch.manual_seed(0)
+m1 = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)); mn = copy.deepcopy(m1)
+loader = DataLoader(TensorDataset(x, y), batch_size=32)
+est = TPUEstimator(verbose=False, sharding=sys.argv[2])
+assert len(est.devices) == int(sys.argv[1]), est.devices
+opts = []
+hn = est.fit(mn, loader, epochs=2, optimizer=lambda p: opts.append(torch.optim.AdamW(p, lr=1e-3)) or opts[-1])
+h1 = TPUEstimator(devices=1, verbose=False).fit(m1, loader, epochs=2)
+w = mn[0].weight
+assert len(sharding_of(w).device_set) == len(est.devices)
+want_spec = ("data",) if sys.argv[2] == "fsdp" else ()
+assert tuple(sharding_of(w).spec) == want_spec, sharding_of(w)
+assert tuple(sharding_of(opts[0].state[w]["exp_avg"]).spec) == want_spec
+torch.testing.assert_close(torch.tensor(hn.loss), torch.tensor(h1.loss), rtol=1e-4, atol=0)
+for a, b in zip(m1.parameters(), mn.parameters()):
+    torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-4, atol=1e-6)
+out = est.predict(mn, loader)
+torch.testing.assert_close(out, TPUEstimator(devices=1, verbose=False).predict(mn, loader), rtol=1e-4, atol=1e-6)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("n,sharding", [(4, "dp"), (8, "dp"), (4, "fsdp")])
+def test_data_parallel_equals_one_device(n, sharding):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(n), sharding], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- variable-length sequences
+def test_variable_length_sequences_are_bucketed():
+    class PerToken(nn.Module):  # a position-wise language model: right padding cannot leak
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(20, 16), nn.Linear(16, 20)
+
+        def forward(self, idx):
+            return self.out(torch.tanh(self.emb(idx)))
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 7, 12, 16, 6, 9, 13, 8, 11, 15]
+    batches = [(torch.randint(1, 20, (4, n), generator=g), torch.randint(0, 20, (4, n), generator=g))
+               for n in lengths]
+    torch.manual_seed(0)
+    cpu = PerToken()
+    tpu = copy.deepcopy(cpu)
+    opt = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    want = []
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(cpu(x).reshape(-1, 20), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    est = TPUEstimator(bucket_lengths=(8, 16), verbose=False)
+    h = est.fit(tpu, batches, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    assert h.programs_compiled <= 6, h.programs_compiled  # 2 buckets, and the first step's optimizer init
+    out = est.predict(tpu, [(x,) for x, _ in batches[:3]])
+    assert [o.shape for o in out] == [(4, n, 20) for n in lengths[:3]]
+    with torch.no_grad():
+        torch.testing.assert_close(out[2], cpu(batches[2][0]), rtol=RTOL, atol=ATOL)

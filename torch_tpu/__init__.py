@@ -22,12 +22,9 @@ jax.config.update("jax_enable_x64", True)
 from torch_tpu import _device  # noqa: E402
 
 _device.register()
-# Module.to("tpu") must move parameters in place, keeping their identity (tied weights, optimizers
-# made before the move). PyTorch's shallow-copy check admits only its built-in dense backends, so
-# for PrivateUse1 it would make new Parameters; swapping tensors keeps the same objects.
-import torch  # noqa: E402
+from torch_tpu import _module_move  # noqa: E402
 
-torch.__future__.set_swap_module_params_on_conversion(True)
+_module_move.install()
 
 from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, ops  # noqa: E402,F401
 
