@@ -1,7 +1,7 @@
 """Benchmark commands.
 
     python -m torch_tpu.bench dispatch [--n 2000]
-    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused [--steps N]
+    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused|compile [--steps N]
     python -m torch_tpu.bench train --workload gpt --compare
 
 ``train``: steps per second (best of three timed windows, compile excluded) and the first-step
@@ -67,9 +67,12 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         dev = "cpu"
     else:
         dev = "tpu"
-        torch_tpu.set_eager_mode(mode)
+        torch_tpu.set_eager_mode("strict" if mode == "compile" else mode)
     try:
         model, step, tokens = workloads.make(workload, dev)
+        if mode == "compile":
+            torch._dynamo.reset()
+            step = torch.compile(step, backend="tpu")
         t0 = time.perf_counter()
         float(step().detach().to("cpu"))
         first = time.perf_counter() - t0
@@ -96,12 +99,12 @@ def main() -> None:
     d.add_argument("--n", type=int, default=2000)
     t = sub.add_parser("train", help="training steps per second of a workload")
     t.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
-    t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "cpu"])
+    t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "compile", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
     a = p.parse_args()
     if a.cmd == "train":
-        modes = ["cpu", "debug", "strict", "fused"] if a.compare else [a.mode]
+        modes = ["debug", "strict", "fused", "compile", "cpu"] if a.compare else [a.mode]
         rows = [train(a.workload, m, a.steps) for m in modes]
         for r in rows:
             print(json.dumps(r))
