@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 
 import jax
+import torch
+import torch.distributed
 
 _PLATFORM = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
 if _PLATFORM:
@@ -46,6 +48,17 @@ from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
 _fused.install_step_boundary()
+
+
+def _c10d_group(store, rank: int, size: int, timeout):  # noqa: ANN001, ANN202
+    """Builds the ``tpu`` c10d process group; its module is imported on first use (import time matters)."""
+    from torch_tpu.distributed.c10d import TPUProcessGroup
+
+    return TPUProcessGroup(store, rank, size, timeout)
+
+
+if torch.distributed.is_available():  # ``dist.init_process_group("tpu")``; the tpu device's default backend
+    torch.distributed.Backend.register_backend("tpu", _c10d_group, devices=["tpu"])
 
 
 def sync() -> None:

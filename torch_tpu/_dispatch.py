@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import torch
 
 from torch_tpu import _dtypes, _rng
-from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
+from torch_tpu._storage import base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
 from torch_tpu.runtime import executor, metrics
 from torch_tpu.runtime.executor import Program, execute
@@ -37,6 +37,12 @@ _IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "mem
 class _Tensor(tuple):
     """Signature of a tensor argument: (shape, dtype). A distinct type so it can't be confused
     with a user's tuple."""
+
+
+class _View(tuple):
+    """Signature of a tensor argument that is a strided view: (shape, dtype, base shape, stride,
+    offset). The base array is the runtime input and the strided read happens inside the op's
+    program, so a transposed or sliced input costs no separate device call."""
 
 
 class _Scalar(tuple):
@@ -59,8 +65,13 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
     """The signature of one argument, appending its runtime inputs to ``dyn``."""
     if isinstance(a, torch.Tensor):
         if a.device.type == "tpu":
+            st = a.untyped_storage()
+            size = tuple(a.shape)
+            if a.dtype is st._dtype and not (size == st._shape and a.storage_offset() == 0 and a.is_contiguous()):
+                dyn.append(base_array(st))
+                return _View((size, a.dtype, st._shape, tuple(a.stride()), a.storage_offset()))
             dyn.append(read(a))
-            return _Tensor((tuple(a.shape), a.dtype))
+            return _Tensor((size, a.dtype))
         if a.dim() == 0 and a.device.type == "cpu":  # a wrapped number, allowed as on CUDA
             dyn.append(_dtypes.cpu_to_numpy(a))
             return _Scalar((a.dtype,))
@@ -79,6 +90,8 @@ def _rebuild(s: Any, it) -> Any:
     t = type(s)
     if t is _Tensor or t is _Scalar:
         return next(it)
+    if t is _View:
+        return read_view(s[2], s[0], s[3], s[4], s[1], next(it))
     if t is tuple:
         return [_rebuild(x, it) for x in s]
     return s
@@ -177,13 +190,16 @@ class _OpKernel:
                 self.lowering.check(*args, **kwargs)
         dyn: list = []
         name = self.name
-        pos = tuple(_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic))
-        kw = tuple(
-            (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
-            for k, v in kwargs.items()
-            if k not in _IGNORED_KWARGS and k not in self.out_names
-        )
-        key = (pos, kw)
+        pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
+        if kwargs:
+            kw = tuple([
+                (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
+                for k, v in kwargs.items()
+                if k not in _IGNORED_KWARGS and k not in self.out_names
+            ])
+            key = (pos, kw)
+        else:
+            key = (pos, ())
         entry = self.cache.get(key)
         if entry is None:
             entry = self.cache[key] = self._build(key, args, kwargs)
@@ -218,7 +234,7 @@ def _named(e: Exception, where: str) -> Exception:
 
 
 def _describe(s: Any) -> str:
-    if type(s) is _Tensor:
+    if type(s) is _Tensor or type(s) is _View:
         return f"{str(s[1]).removeprefix('torch.')}{list(s[0])}"
     if type(s) is _Scalar:
         return getattr(s[0], "__name__", str(s[0]))

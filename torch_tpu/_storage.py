@@ -212,6 +212,12 @@ def _zeros_program(shape, dtype) -> Program:
     return Program(f"zeros {list(shape)}", lambda: jnp.zeros(shape, dtype))
 
 
+def read_view(base_shape: tuple, size: tuple, stride: tuple, offset: int, dtype: torch.dtype, base: Any) -> Any:
+    """Inside a program: the strided view (size, stride, offset) of a contiguous base array."""
+    plan = _plan(base_shape, size, stride, offset)
+    return _read(plan, base_shape, size, stride, offset, _dtypes.to_jax(dtype), base)
+
+
 def base_array(st: Any) -> Any:
     """The storage's whole jax array; an uninitialised storage (``empty``) reads as zeros."""
     a = st._jx

@@ -8,6 +8,7 @@ collectives.
 
 from __future__ import annotations
 
+from torch_tpu.distributed.c10d import TPUProcessGroup  # noqa: F401 (registers the "tpu" c10d backend)
 from torch_tpu.distributed.spmd import mesh, replicate, replicate_module, shard, sharding_of
 
 __all__ = ["mesh", "replicate", "replicate_module", "shard", "sharding_of"]

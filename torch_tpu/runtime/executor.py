@@ -134,9 +134,7 @@ def execute(program: Program, *inputs: Any) -> Any:
     """Runs ``program`` under the current mode and returns its jax outputs (or placeholders)."""
     if _mode is EagerMode.FUSED:
         return fused.record(program, inputs)
-    try:
-        if any(type(x) is fused.Lazy for x in inputs):
-            inputs = tuple(fused.concrete(x) for x in inputs)
+    try:  # outside fused mode storages hold concrete arrays (_storage.base_array sees to it)
         prof = profiler._active
         out = program(*inputs) if prof is None else prof.timed(program.name, program, *inputs)
         if _mode is EagerMode.DEBUG:

@@ -1,0 +1,269 @@
+"""The ``tpu`` c10d backend (gloo host path) with real processes on localhost.
+
+Each test starts a small world of spawned processes (TORCH_TPU_PLATFORM=cpu), each under a hard
+timeout; the workers write their results to files that the test then checks. Several checks share
+one world because starting a process (torch + jax) costs seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+STEPS, BATCH, D_IN, D_HID = 5, 16, 8, 32
+
+
+# ------------------------------------------------------------------------------ the launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, n: int, port: int, scenario: str, outdir: str, timeout_s: float) -> None:
+    os.environ["TORCH_TPU_PLATFORM"] = "cpu"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    import torch_tpu  # noqa: F401
+    import torch_tpu.distributed  # noqa: F401  (registers the "tpu" c10d backend)
+
+    try:
+        result = {"ok": True, "value": _SCENARIOS[scenario](rank, n, port, timeout_s)}
+    except BaseException as e:  # noqa: BLE001 (reported to the parent)
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)  # skip the interpreter teardown (seconds with jax) once the result is written
+
+
+def _launch(scenario: str, n: int, tmp_path, timeout_s: float = 60.0, wait_for=None) -> dict:
+    """Runs ``scenario`` on ``n`` spawned ranks; returns {rank: result} for the ranks in ``wait_for``
+    (all by default) and kills every process that is still running after them or after the deadline."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, n, port, scenario, str(tmp_path), timeout_s)) for r in range(n)]
+    for p in procs:
+        p.start()
+    wait_for = range(n) if wait_for is None else wait_for
+    deadline = time.monotonic() + timeout_s
+    try:
+        for r in wait_for:
+            procs[r].join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    out = {}
+    for r in wait_for:
+        path = tmp_path / f"{r}.pkl"
+        assert path.exists(), f"rank {r} of {scenario} wrote no result (hung past {timeout_s}s or crashed)"
+        out[r] = pickle.loads(path.read_bytes())
+        assert out[r]["ok"], f"rank {r}: {out[r]['error']}\n{out[r]['trace']}"
+    return {r: o["value"] for r, o in out.items()}
+
+
+def _init(rank: int, n: int, port: int, backend: str | None = "tpu", timeout_s: float = 30.0) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+# ------------------------------------------------------------------------------ scenarios
+def _collectives(rank: int, n: int, port: int, timeout_s: float) -> dict:
+    import torch.distributed as dist
+
+    from torch_tpu.distributed.c10d import TPUProcessGroup
+
+    _init(rank, n, port, backend=None)  # no backend: "tpu" is the default for the tpu device
+    r: dict = {"group": type(dist.group.WORLD).__name__, "is_tpu_group": isinstance(dist.group.WORLD, TPUProcessGroup)}
+    x = torch.arange(4.0, device="tpu") + rank
+    for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+        y = x.clone()
+        dist.all_reduce(y, op=getattr(dist.ReduceOp, op))
+        r[op] = (y.device.type, y.cpu())
+    y = x.clone()
+    dist.broadcast(y, src=n - 1)
+    r["broadcast"] = y.cpu()
+    outs = [torch.empty(4, device="tpu") for _ in range(n)]
+    dist.all_gather(outs, x)
+    r["all_gather"] = [o.cpu() for o in outs]
+    out = torch.empty(4 * n, device="tpu")
+    dist.all_gather_into_tensor(out, x)
+    r["all_gather_into_tensor"] = out.cpu()
+    out = torch.empty(4 // n, device="tpu")
+    dist.reduce_scatter_tensor(out, x)
+    r["reduce_scatter_tensor"] = out.cpu()
+    out = torch.empty(4, device="tpu")
+    dist.all_to_all_single(out, x)
+    r["all_to_all_single"] = out.cpu()
+    dist.barrier()
+    # crossing isend/irecv pairs: both ranks post the send first, which must not deadlock
+    peer = (rank + 1) % n
+    got = torch.empty(4, device="tpu")
+    ws = [dist.isend(x * 10, peer), dist.irecv(got, (rank - 1) % n)]
+    for w in ws:
+        w.wait()
+    r["sendrecv"] = got.cpu()
+    y = x.clone()
+    work = dist.all_reduce(y, async_op=True)
+    work.wait()
+    r["async"] = y.cpu()
+    # a view (every other element) is reduced in place
+    z = torch.zeros(8, device="tpu")
+    z[::2] = x
+    dist.all_reduce(z[::2])
+    r["view"] = z.cpu()
+    # divergent ranks: only rank 0 reads values on the host, then everyone meets again
+    if rank == 0:
+        r["item"] = [float((x * i).sum().item()) for i in range(3)]
+    y = x.clone()
+    dist.all_reduce(y)
+    r["after_item"] = y.cpu()
+    # a mismatched collective raises on every rank, and the group stays usable
+    try:
+        dist.all_reduce(torch.ones(4 + 2 * rank, device="tpu"))
+        r["mismatch"] = None
+    except RuntimeError as e:
+        r["mismatch"] = str(e)
+    try:
+        dist.all_reduce(torch.ones(4, device="tpu", dtype=torch.float32 if rank == 0 else torch.float64))
+        r["dtype_mismatch"] = None
+    except RuntimeError as e:
+        r["dtype_mismatch"] = str(e)
+    y = x.clone()
+    dist.all_reduce(y)
+    r["after_mismatch"] = y.cpu()
+    objs: list = [None] * n
+    dist.all_gather_object(objs, {"rank": rank})
+    r["objects"] = objs
+    return r
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.Tanh(), torch.nn.Linear(D_HID, 1))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, BATCH, D_IN, generator=g), torch.randn(STEPS, BATCH, 1, generator=g)
+
+
+def _train(model: torch.nn.Module, xs, ys, device: str, reduce_loss=None) -> tuple[list[float], dict]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        loss = loss.detach()
+        if reduce_loss is not None:
+            reduce_loss(loss)
+        losses.append(float(loss.cpu()))
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _ddp(rank: int, n: int, port: int, timeout_s: float) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init(rank, n, port)
+    model = DistributedDataParallel(_model().to("tpu"))
+    xs, ys = _data()
+    per = BATCH // n
+    xs, ys = xs[:, rank * per : (rank + 1) * per], ys[:, rank * per : (rank + 1) * per]
+    losses, state = _train(model, xs, ys, "tpu", lambda t: dist.all_reduce(t, op=dist.ReduceOp.AVG))
+    return {"losses": losses, "state": {k.removeprefix("module."): v for k, v in state.items()}}
+
+
+def _fault(rank: int, n: int, port: int, timeout_s: float) -> dict:
+    """Rank 2 dies and rank 1 hangs (sleeps) after the first collective; rank 0 must fail, naming them."""
+    import torch.distributed as dist
+
+    _init(rank, n, port, timeout_s=4.0)
+    x = torch.ones(4, device="tpu")
+    dist.all_reduce(x)
+    if rank == 2:
+        os._exit(1)
+    if rank == 1:
+        time.sleep(60)  # killed by the parent
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+
+
+_SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault}
+
+
+# ------------------------------------------------------------------------------ tests
+def test_collectives_two_processes(tmp_path):
+    res = _launch("collectives", 2, tmp_path)
+    a, b = torch.arange(4.0), torch.arange(4.0) + 1
+    for rank, r in res.items():
+        assert r["is_tpu_group"], r["group"]
+        for op, want in [("SUM", a + b), ("AVG", (a + b) / 2), ("MAX", b), ("MIN", a), ("PRODUCT", a * b)]:
+            assert r[op][0] == "tpu"
+            torch.testing.assert_close(r[op][1], want)
+        torch.testing.assert_close(r["broadcast"], b)
+        torch.testing.assert_close(r["all_gather"], [a, b])
+        torch.testing.assert_close(r["all_gather_into_tensor"], torch.cat([a, b]))
+        torch.testing.assert_close(r["reduce_scatter_tensor"], (a + b)[rank * 2 : rank * 2 + 2])
+        mine = slice(rank * 2, rank * 2 + 2)
+        torch.testing.assert_close(r["all_to_all_single"], torch.cat([a[mine], b[mine]]))
+        torch.testing.assert_close(r["sendrecv"], (b if rank == 0 else a) * 10)
+        torch.testing.assert_close(r["async"], a + b)
+        torch.testing.assert_close(r["view"][::2], a + b)
+        torch.testing.assert_close(r["view"][1::2], torch.zeros(4))
+        torch.testing.assert_close(r["after_item"], a + b)
+        assert "mismatched collective" in r["mismatch"], r["mismatch"]
+        assert "rank 0: allreduce(float32[4])" in r["mismatch"] and "rank 1: allreduce(float32[6])" in r["mismatch"]
+        assert "float64[4]" in r["dtype_mismatch"]
+        torch.testing.assert_close(r["after_mismatch"], a + b)
+        assert r["objects"] == [{"rank": 0}, {"rank": 1}]
+    assert res[0]["item"] == [0.0, 6.0, 12.0]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ddp_matches_single_process(tmp_path, n):
+    res = _launch("ddp", n, tmp_path, timeout_s=80.0)
+    xs, ys = _data()
+    want_losses, want_state = _train(_model(), xs, ys, "cpu")
+    for rank, r in res.items():
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want_losses), rtol=1e-4, atol=1e-6)
+        assert r["state"].keys() == want_state.keys()
+        for k, v in want_state.items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+
+
+def test_dead_and_hung_ranks_fail_fast_naming_them(tmp_path):
+    t0 = time.monotonic()
+    res = _launch("fault", 3, tmp_path, timeout_s=40.0, wait_for=[0])
+    err = res[0]["error"]
+    assert err is not None and err.startswith("DistBackendError"), err
+    assert "failed on rank 0" in err, err
+    assert "[2] stopped responding" in err, err
+    assert "[1] never reached" in err, err
+    assert res[0]["seconds"] < 10, res[0]
+    assert time.monotonic() - t0 < 40
