@@ -67,11 +67,15 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
         if a.device.type == "tpu":
             st = a.untyped_storage()
             size = tuple(a.shape)
-            if a.dtype is st._dtype and not (size == st._shape and a.storage_offset() == 0 and a.is_contiguous()):
+            dtype = a.dtype
+            if dtype is st._dtype:
+                if size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
+                    dyn.append(base_array(st))  # the whole base: no read at all
+                    return _Tensor((size, dtype))
                 dyn.append(base_array(st))
-                return _View((size, a.dtype, st._shape, tuple(a.stride()), a.storage_offset()))
-            dyn.append(read(a))
-            return _Tensor((size, a.dtype))
+                return _View((size, dtype, st._shape, tuple(a.stride()), a.storage_offset()))
+            dyn.append(read(a))  # another element type over the storage (view_as_real)
+            return _Tensor((size, dtype))
         if a.dim() == 0 and a.device.type == "cpu":  # a wrapped number, allowed as on CUDA
             dyn.append(_dtypes.cpu_to_numpy(a))
             return _Scalar((a.dtype,))
