@@ -77,7 +77,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             dyn.append(read(a))  # another element type over the storage (view_as_real)
             return _Tensor((size, dtype))
         if a.dim() == 0 and a.device.type == "cpu":  # a wrapped number, allowed as on CUDA
-            dyn.append(_dtypes.cpu_to_numpy(a))
+            dyn.append(_dtypes.cpu_to_numpy(a).copy())  # XLA:CPU may alias host memory; the op is async
             return _Scalar((a.dtype,))
         raise device_mismatch(op_name, a.device)
     t = type(a)

@@ -22,7 +22,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from torch_tpu import _dtypes, _rng
-from torch_tpu._storage import is_tpu, new_tensor, read
+from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime.executor import Program, execute
@@ -52,15 +52,35 @@ def _is_random(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target in LOWERINGS and LOWERINGS[target].random
 
 
-def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
-    """A jax function computing ``gm``: (function, number of random ops, output metas)."""
+def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """``copy_(input, value)`` nodes: input mutations AOTAutograd left in the graph.
+
+    With ``keep_inference_input_mutations`` an inference graph (an optimizer step under no_grad)
+    ends with one ``copy_`` per updated input. Running them here (a storage swap per input) costs
+    far less than AOTAutograd's epilogue, which dispatches one ``copy_`` per input each step.
+    """
+    return {
+        n: n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"
+    }
+
+
+def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tuple[Callable, int, list]:
+    """A jax function computing ``gm``: (function, number of random ops, output metas).
+
+    The function returns the graph's outputs, then the new value of each input a ``copy_`` node
+    mutates (in graph order), except the mutations in ``skip`` (computed on the host instead).
+    """
     nodes = list(gm.graph.nodes)
+    mutations = _mutations(gm)
     for n in nodes:  # fail at compile time, naming the op, rather than at the first call
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations:
             _lowering_of(n.target)
     n_random = sum(1 for n in nodes if n.op == "call_function" and _is_random(n.target))
     out_node = next(n for n in nodes if n.op == "output")
     out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
+    device_mutations = [n for n in mutations if n not in skip]
 
     def fn(rng: list, *inputs: Any) -> tuple:
         env: dict[torch.fx.Node, Any] = {}
@@ -82,6 +102,11 @@ def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
                 if isinstance(c, torch.Tensor):
                     c = read(c) if is_tpu(c) else jnp.asarray(_dtypes.cpu_to_numpy(c))
                 env[n] = c
+            elif n in mutations:
+                if n not in skip:
+                    dst = n.args[0].meta["val"]
+                    v = jnp.asarray(val(n.args[1])).astype(_dtypes.to_jax(dst.dtype))
+                    env[n] = jnp.broadcast_to(v, tuple(dst.shape))
             elif n.op == "call_function":
                 args = val(n.args)
                 kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
@@ -93,7 +118,7 @@ def lower_graph(gm: torch.fx.GraphModule) -> tuple[Callable, int, list]:
                 r = lowering.fn(*pre, *args, **kwargs)
                 env[n] = _match_meta(r, n.meta.get("val"))
             elif n.op == "output":
-                return tuple(val(a) for a in n.args[0])
+                return tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
         raise AssertionError("graph without output")
 
     return fn, n_random, out_metas
@@ -110,8 +135,70 @@ def _match_meta(r: Any, meta: Any) -> Any:
     return r
 
 
+def _host_part(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], dict[int, torch.fx.Node], frozenset]:
+    """The nodes computed on the host: (nodes in order, graph outputs among them, input mutations).
+
+    Optimizers keep small CPU tensors (AdamW's step counters when not ``capturable``) that the
+    graph updates. Computed on the device, each would come back with a device-to-host read that
+    waits for the whole step. A node is on the host when torch's trace put its value on the CPU
+    and every tensor it reads is on the host too; torch computes those on the CPU (a few scalar ops).
+    """
+    host: list[torch.fx.Node] = []
+    seen: set[torch.fx.Node] = set()
+
+    def on_cpu(n: torch.fx.Node) -> bool:
+        v = n.meta.get("val")
+        vs = v if isinstance(v, (list, tuple)) and v else [v]
+        return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in vs)
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and on_cpu(n):
+            seen.add(n)
+        elif n.op == "call_function" and on_cpu(n) and (
+            isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem
+        ):
+            if all(a in seen for a in n.all_input_nodes) and n.all_input_nodes:
+                host.append(n)
+                seen.add(n)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = {i: a for i, a in enumerate(out_node.args[0]) if isinstance(a, torch.fx.Node) and a in seen}
+    mutations = frozenset(n for n in _mutations(gm) if n in seen)
+    needed: set[torch.fx.Node] = set()
+    stack = [*outs.values(), *mutations]
+    while stack:  # only what the host results read; the rest runs on the device anyway
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in host if n in needed], outs, mutations
+
+
+def _run_host(gm: torch.fx.GraphModule, host: list[torch.fx.Node], outs: dict[int, torch.fx.Node],
+              args: list) -> dict[int, Any]:
+    """Runs the host nodes with torch on the CPU (mutations in place); returns the host outputs."""
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, a in zip(placeholders, args):
+        env[n] = a
+
+    def val(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    for n in host:
+        env[n] = n.target(*val(n.args), **{k: val(v) for k, v in n.kwargs.items()})
+    return {i: env[n] for i, n in outs.items()}
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    fn, n_random, out_metas = lower_graph(gm)
+    host_nodes, host_outs, host_mutations = _host_part(gm)
+    fn, n_random, out_metas = lower_graph(gm, skip=host_mutations)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
+    run_host = bool(host_outs or host_mutations)
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
 
@@ -122,7 +209,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
                 if is_tpu(a):
                     arrays.append(read(a))
                 elif a.dim() == 0:
-                    arrays.append(_dtypes.cpu_to_numpy(a))
+                    # a copy: XLA:CPU may alias host memory, and the program runs after AOTAutograd
+                    # has written the new value into this tensor (an optimizer's step counter)
+                    arrays.append(_dtypes.cpu_to_numpy(a).copy())
                 else:
                     raise RuntimeError(
                         f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
@@ -131,6 +220,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
                 key.append((tuple(a.shape), a.dtype))
             else:
                 key.append(a)
+        # after the inputs are read: the host part updates CPU inputs in place
+        host_results = _run_host(gm, host_nodes, host_outs, args) if run_host else {}
+        targets = [args[i] for i in mutated]
         args.clear()  # the boxed calling convention: free inputs as soon as possible
         program = cache.get(tuple(key))
         if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
@@ -146,9 +238,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
                                                   multi=True)
         rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
         outs = execute(program, *rng, *arrays)
+        for t, v in zip(targets, outs[len(out_metas):]):
+            write(t, v)
         results = []
-        for o, meta in zip(outs, out_metas):
-            if isinstance(meta, torch.Tensor):
+        for i, (o, meta) in enumerate(zip(outs, out_metas)):
+            if i in host_results:
+                results.append(host_results[i])
+            elif isinstance(meta, torch.Tensor):
                 results.append(new_tensor(tuple(o.shape), meta.dtype, o) if o is not None else None)
             else:
                 results.append(o if not isinstance(o, jax.Array) else o.item())
@@ -186,5 +282,6 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
     skip_our_frames()
     return aot_module_simplified(
-        gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=core_aten_decompositions()
+        gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=core_aten_decompositions(),
+        keep_inference_input_mutations=True,
     )
