@@ -64,3 +64,38 @@ def test_lowering_failure_names_the_op(monkeypatch):
     with pytest.raises(RuntimeError, match=r"aten\.neg\.default\(float32\[2\]\).* failed: ValueError: boom"):
         kernel(torch.ones(2, device="tpu")).cpu()  # in fused mode the error surfaces at the sync
     assert lowering.fn is not broken
+
+
+def test_index_checks_on_host_data_read_no_device_memory():
+    import torch_tpu
+    from torch_tpu.runtime import metrics
+
+    w = torch.randn(10, 4, device="tpu")
+    idx = torch.tensor([[1, 2], [9, 0]], device="tpu")  # uploaded: its host copy is kept
+    torch_tpu.sync()
+    before = metrics.transfer_bytes["device_to_host"]
+    torch.nn.functional.embedding(idx, w)
+    torch.nn.functional.cross_entropy(w, torch.tensor([3] * 10, device="tpu"))
+    assert metrics.transfer_bytes["device_to_host"] == before
+    with pytest.raises(IndexError, match="index out of range in self"):
+        torch.nn.functional.embedding(torch.tensor([10], device="tpu"), w)  # at the op, as on CPU
+
+
+@pytest.mark.parametrize("mode", ["debug", "strict", "fused"])
+def test_index_check_on_device_values(mode):
+    """Indices the device computed: checked at the op in debug mode, else at the next host read
+    (like CUDA's device-side assert), naming the op's error and where it was called."""
+    import torch_tpu
+
+    w = torch.randn(10, 4, device="tpu")
+    with torch_tpu.set_eager_mode(mode):
+        idx = torch.arange(4, device="tpu") + 7  # 7..10: 10 is out of range
+        if mode == "debug":
+            with pytest.raises(IndexError, match="index out of range in self"):
+                torch.nn.functional.embedding(idx, w)
+        else:
+            out = torch.nn.functional.embedding(idx, w)
+            with pytest.raises(IndexError, match=r"index out of range in self.*test_errors.py:\d+"):
+                out.sum().item()
+        ok = torch.nn.functional.embedding(idx - 1, w)  # a failed check is reported once
+        torch.testing.assert_close(ok.cpu(), w.cpu()[6:10])

@@ -23,6 +23,7 @@ from torch_tpu._storage import (
     new_tensor,
     read,
     read_array,
+    remember_host_copy,
     set_base,
     to_cpu,
     to_numpy,
@@ -66,7 +67,9 @@ def host_to_device(t: torch.Tensor) -> Any:
     named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
     data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
     metrics.transfer_bytes["host_to_device"] += data.nbytes
-    return jax.device_put(data)
+    array = jax.device_put(data)
+    remember_host_copy(array, data)
+    return array
 
 
 @kernel(aten._copy_from.default, fusable=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu.runtime import executor, fused, metrics
+from torch_tpu.runtime import checks, executor, fused, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 DK = torch._C.DispatchKey
@@ -283,7 +284,44 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """Copies a tpu tensor to the host (a sync point)."""
     a = np.asarray(read_array(t))
     metrics.transfer_bytes["device_to_host"] += a.nbytes
+    checks.raise_pending()
     return a
+
+
+_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+_HOST_COPY_MAX_BYTES = 1 << 22
+
+
+def remember_host_copy(array: Any, data: np.ndarray) -> None:
+    """Keeps the host data a small integer or bool array was uploaded from, while it lives.
+
+    Index tensors (token ids, class targets) arrive from the host, and CPU torch checks their
+    values (bounds) at every use. With the host copy at hand such a check reads no device memory,
+    so it neither transfers nor waits behind the step the device is still running.
+    """
+    if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
+        key = id(array)
+        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data)
+
+
+def host_copy(t: torch.Tensor) -> np.ndarray | None:
+    """The values of tpu tensor ``t`` from the host data it was uploaded from, or None when there
+    is none (values computed on the device). Reads no device memory."""
+    st = t.untyped_storage()
+    a = st._jx
+    kept = _HOST_COPIES.get(id(a)) if a is not None else None
+    if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+        return None
+    flat = kept[1].reshape(-1)
+    strides = tuple(s * flat.itemsize for s in t.stride())
+    return np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape), strides, writeable=False)
+
+
+def host_values(t: torch.Tensor) -> np.ndarray:
+    """The values of tpu tensor ``t`` on the host: its host copy when it has one, else read from
+    the device (a sync). For kernels whose output shape depends on values (bincount)."""
+    v = host_copy(t)
+    return v if v is not None else to_numpy(t)
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:

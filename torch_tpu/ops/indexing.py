@@ -19,12 +19,12 @@ import torch
 from jax import lax
 
 from torch_tpu._dispatch import _OpKernel, kernel
-from torch_tpu._storage import is_tpu, new_tensor, read, to_numpy
+from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
+from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 # ------------------------------------------------------------------------------------ checks
-_MINMAX = Program("index range (min, max)", lambda a: (jnp.min(a), jnp.max(a)))
 
 
 def index_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -32,8 +32,8 @@ def index_range(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
     if is_tpu(t):
-        lo, hi = execute(_MINMAX, read(t))
-        return int(lo), int(hi)
+        v = host_values(t)
+        return int(v.min()), int(v.max())
     return int(t.min()), int(t.max())
 
 
@@ -46,13 +46,15 @@ def check_bounds(
     """
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         return  # the meta kernel raises CPU's dtype error
-    r = index_range(index)
-    if r is None:
-        return
     lo_ok = -size if negative else 0
-    for v in r:
+    error = lambda v: exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
+    if is_tpu(index):
+        checks.check_values(index, checks.outside, (lo_ok, size), error)
+        return
+    r = index_range(index)
+    for v in r or ():
         if v < lo_ok or v >= size:
-            raise exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
+            raise error(v)
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -150,12 +152,7 @@ def _check_index_args(self: torch.Tensor, indices: list, op: str) -> None:
             dim += ind.dim()
             continue
         if dim < self.dim():
-            n = self.shape[dim]
-            r = index_range(ind)
-            if r is not None:
-                for v in r:
-                    if v < -n or v >= n:
-                        raise IndexError(f"{op}: index {v} is out of bounds for dimension {dim} with size {n}")
+            check_bounds(op, ind, self.shape[dim], dim, IndexError, negative=True)
         dim += 1
 
 
@@ -380,12 +377,14 @@ def index_reduce(self, dim, index, source, reduce, include_self=True):
 # ------------------------------------------------------------------------------- flat access
 def _check_take(self, index, *args, **kwargs):
     n = self.numel()
-    r = index_range(index)
-    if r is not None:
-        for v in r:
-            if v < -n or v >= n:
-                name = "take()" if not args else "put()"
-                raise IndexError(f"{name}: out of range: tried to access index {v} on a tensor of {n} elements.")
+    name = "take()" if not args else "put()"
+    error = lambda v: IndexError(f"{name}: out of range: tried to access index {v} on a tensor of {n} elements.")
+    if is_tpu(index):
+        checks.check_values(index, checks.outside, (-n, n), error)
+        return
+    for v in index_range(index) or ():
+        if v < -n or v >= n:
+            raise error(v)
 
 
 @lower(aten.take, check=_check_take)
@@ -516,9 +515,8 @@ def as_strided_scatter(self, src, size, stride, storage_offset=None):
 
 # ------------------------------------------------------------------------------ embedding
 def _check_embedding(weight, indices, *args, **kwargs):
-    r = index_range(indices)
-    if r is not None and (r[0] < 0 or r[1] >= weight.shape[0]):
-        raise IndexError("embedding_renorm_(): index out of range in self")
+    checks.check_values(indices, checks.outside, (0, weight.shape[0]),
+                        lambda v: IndexError("embedding_renorm_(): index out of range in self"))
 
 
 @lower(aten.embedding_renorm, check=_check_embedding)

@@ -27,7 +27,7 @@ from torch_tpu import _dtypes
 from torch_tpu._dispatch import _meta, device_mismatch, register_kernel
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import checks, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -562,11 +562,9 @@ def adaptive_max_pool3d_backward(grad_output, self, indices):
 
 def _check_unpool_indices(self, indices, output_size, *rest, **kw):
     limit = math.prod(output_size)
-    idx = read(indices)
-    if idx.size and bool(jnp.any((idx < 0) | (idx >= limit))):
-        bad = int(idx[(idx < 0) | (idx >= limit)][0])
-        sizes = "x".join(map(str, output_size))
-        raise RuntimeError(f"Found an invalid max index: {bad} (output volumes are of size {sizes}")
+    sizes = "x".join(map(str, output_size))
+    checks.check_values(indices, checks.outside, (0, limit),
+                        lambda v: RuntimeError(f"Found an invalid max index: {v} (output volumes are of size {sizes}"))
 
 
 def _max_unpool(self, indices, output_size):
@@ -620,11 +618,9 @@ def col2im(self, output_size, kernel_size, dilation, padding, stride):
 # ======================================================================================= losses
 def _check_nll_target(self, target, weight=None, reduction=1, ignore_index=-100, *rest, **kw):
     """CPU reads the target values: an out-of-range class is an IndexError."""
-    t = read(target)
     C = self.shape[1] if self.dim() >= 2 else self.shape[0]
-    bad = (t != ignore_index) & ((t < 0) | (t >= C))
-    if t.size and bool(jnp.any(bad)):
-        raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
+    checks.check_values(target, checks.outside_unless, (0, C, ignore_index),
+                        lambda v: IndexError(f"Target {v} is out of bounds."))
 
 
 def _nll_parts(self, target, weight, ignore_index):
@@ -703,9 +699,8 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
 
 
 def _check_bce_input(self, *rest, **kw):
-    x = read(self)
-    if x.size and bool(jnp.any((x < 0) | (x > 1))):
-        raise RuntimeError("all elements of input should be between 0 and 1")
+    checks.check_values(self, checks.outside_closed, (0, 1),
+                        lambda v: RuntimeError("all elements of input should be between 0 and 1"))
 
 
 @lower(aten.binary_cross_entropy.default, check=_check_bce_input)
@@ -750,10 +745,9 @@ def soft_margin_loss_backward(grad_output, self, target, reduction):
 
 
 def _check_multilabel_target(self, target, *rest, **kw):
-    t = read(target)
     C = self.shape[-1] if self.dim() else 1
-    if t.size and bool(jnp.any((t < -1) | (t >= C))):
-        raise RuntimeError(f"multilabel_margin_loss: target values must be in [-1, {C}), got an out-of-range value")
+    checks.check_values(target, checks.outside, (-1, C), lambda v: RuntimeError(
+        f"multilabel_margin_loss: target values must be in [-1, {C}), got an out-of-range value"))
 
 
 def _multilabel_margin(self, target, reduction):
@@ -794,10 +788,8 @@ jax_kernel(aten.multilabel_margin_loss_backward.default, _multilabel_margin_back
 
 
 def _check_multi_margin(self, target, *rest, **kw):
-    t = read(target)
     C = self.shape[-1] if self.dim() else 1
-    if t.size and bool(jnp.any((t < 0) | (t >= C))):
-        raise RuntimeError("target out of range")
+    checks.check_values(target, checks.outside, (0, C), lambda v: RuntimeError("target out of range"))
 
 
 def _multi_margin(self, target, p, margin, weight, reduction):
@@ -832,10 +824,8 @@ jax_kernel(aten.multi_margin_loss_backward.default, _multi_margin_backward, meta
 
 # =================================================================================== embeddings
 def _check_embedding(weight, indices, *rest, **kw):
-    idx = read(indices)
-    n = weight.shape[0]
-    if idx.size and bool(jnp.any((idx < 0) | (idx >= n))):
-        raise IndexError("index out of range in self")
+    checks.check_values(indices, checks.outside, (0, weight.shape[0]),
+                        lambda v: IndexError("index out of range in self"))
 
 
 @lower(aten.embedding.default, check=_check_embedding)

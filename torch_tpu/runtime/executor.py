@@ -89,7 +89,25 @@ def eager_section() -> Iterator[None]:
     for hand-written kernels that compute on arrays directly or read values on the host."""
     global _mode
     previous = _mode
+    _outer.append(previous)
     _mode = EagerMode.STRICT
+    try:
+        yield
+    finally:
+        _outer.pop()
+        _mode = previous
+
+
+_outer: list[EagerMode] = []
+
+
+@contextlib.contextmanager
+def outer_mode() -> Iterator[None]:
+    """Inside an :func:`eager_section`, runs the body in the mode the section interrupted: for a
+    check that would rather record its program with the step than run it on the spot."""
+    global _mode
+    previous = _mode
+    _mode = _outer[-1] if _outer else _mode
     try:
         yield
     finally:
@@ -145,11 +163,15 @@ def execute(program: Program, *inputs: Any) -> Any:
 
 
 def synchronize() -> None:
-    """Runs anything recorded and waits until every queued device computation is done."""
+    """Runs anything recorded, waits until every queued device computation is done, and raises
+    a failed value check (an out-of-range index) found on the device meanwhile."""
+    from torch_tpu.runtime import checks
+
     fused.flush()
     for d in jax.local_devices():
         try:
             d.synchronize_all_activity()
         except AttributeError:  # older jaxlib
             jax.effects_barrier()
-            return
+            break
+    checks.raise_pending()
