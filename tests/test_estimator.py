@@ -423,3 +423,38 @@ def test_variable_length_sequences_are_bucketed():
     assert [o.shape for o in out] == [(4, n, 20) for n in lengths[:3]]
     with torch.no_grad():
         torch.testing.assert_close(out[2], cpu(batches[2][0]), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_custom_loss_fn_on_a_padded_last_batch(per_sample):
+    """A loss_fn returning one loss per sample is masked (no new program for the last batch); a
+    scalar loss_fn runs the last batch on its real rows. Both equal the unpadded CPU loop."""
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=32)
+    want = cpu_reference(cpu, loader, nn.functional.cross_entropy, epochs=3)
+    reduction = "none" if per_sample else "mean"
+    loss_fn = lambda out, batch: nn.functional.cross_entropy(out, batch[1], reduction=reduction)
+    seen = []
+    history = TPUEstimator(verbose=False).fit(
+        tpu.to("tpu"), loader, loss_fn=loss_fn, epochs=3,
+        callbacks=[lambda est, logs: seen.append(torch_tpu.cache_stats()["misses"])])
+    torch.testing.assert_close(torch.tensor(history.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    assert seen[2 if per_sample else 4] == seen[-1], seen
+
+
+def test_batch_norm_last_batch_is_not_padded():
+    """Padding rows would change BatchNorm's batch statistics: results equal the CPU loop, running
+    statistics included."""
+    data = classification_data(100)
+    torch.manual_seed(0)
+    # no bias before BatchNorm: its gradient is zero up to rounding, which AdamW would amplify
+    cpu = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=32)
+    want = cpu_reference(cpu, loader, nn.functional.cross_entropy, epochs=2)
+    history = TPUEstimator(verbose=False).fit(tpu.to("tpu"), loader, epochs=2)
+    torch.testing.assert_close(torch.tensor(history.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)  # the state dict: running_mean and running_var too

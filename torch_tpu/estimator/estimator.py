@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -445,14 +445,9 @@ class TPUEstimator:
         over real elements."""
         with self._autocast():
             out = model(*b.args, **b.kwargs)
-            if loss_fn is not None:
-                return loss_fn(out, _device_raw(b)), False
-            own = _own_loss(out)
-            if own is not None:
-                if b.padded_to is not None:  # the model's own loss cannot be masked: run the real rows
-                    cut = map_tensors((b.args, b.kwargs), lambda t: t[: b.size] if t.dim() else t)
-                    own = _own_loss(model(*cut[0], **cut[1]))
-                return own, False
+            loss = _unmaskable_loss(model, out, b, loss_fn)
+            if loss is not None:
+                return loss, False
             if b.target is None:
                 raise LossConfigError(
                     "the batch has no target and the model returned no loss: pass loss_fn(outputs, batch), "
@@ -552,7 +547,10 @@ class TPUEstimator:
         history = run.history
         first_step = run.step
         full = self._loader_batch_size(train_loader)
-        padding = self.pad_last_batch and loss_fn is None
+        # Padding rows would enter BatchNorm's batch statistics: such a model runs its last partial
+        # batch unpadded (one more program) rather than train on different numbers.
+        padding = self.pad_last_batch and not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                  for m in model.modules())
         mesh: Any = _UNSET
         compiles0, seconds0 = self._compile_counters()
         base_compiles, base_seconds = history.programs_compiled, history.compile_seconds
@@ -763,7 +761,7 @@ class TPUEstimator:
                 if mesh is _UNSET:
                     mesh = self._data_mesh(full)
                     self._place_model(model, mesh)
-                b = self._prepare(raw, full, self.pad_last_batch and loss_fn is None, mesh=mesh)
+                b = self._prepare(raw, full, self.pad_last_batch, mesh=mesh)
                 seen += 1
                 try:
                     with self._autocast():
@@ -771,11 +769,9 @@ class TPUEstimator:
                 except (RuntimeError, ValueError, TypeError) as e:
                     raise BatchError(f"evaluation failed on batch {i} with shapes {shapes_of(raw)}: {e}") from e
                 parts: dict[str, tuple[Any, Any]] = {}
-                own = _own_loss(out)
-                if loss_fn is not None:
-                    parts["loss"] = (loss_fn(out, _device_raw(b)).float() * b.size, b.size)
-                elif own is not None:
-                    parts["loss"] = (own.float() * b.size, b.size)
+                loss = _unmaskable_loss(model, out, b, loss_fn)
+                if loss is not None:
+                    parts["loss"] = (loss.float() * b.size, b.size)
                 elif b.target is not None:
                     w = _row_weights(b.target, b.mask)
                     parts["loss"] = ((_elementwise_loss(_prediction(out), b.target) * w).sum(), w.sum())
@@ -882,6 +878,37 @@ class _Run:
     epoch_rng: Any = None
     interrupted: bool = False
     pending: list = field(default_factory=list)
+
+
+def _unmaskable_loss(model: nn.Module, out: Any, b: Batch, loss_fn: Callable | None) -> Any:
+    """The mean loss over the real rows from a custom ``loss_fn`` or the model's own loss; None when
+    neither applies (the default loss, which weights rows itself).
+
+    A ``loss_fn`` returning one loss per sample is masked: the padded rows of the last batch drop
+    out, with no new program. A scalar loss (the model's own, or such a ``loss_fn``) cannot be
+    masked, so a padded batch runs again on its real rows: one more program, for that batch only.
+    """
+    if loss_fn is not None:
+        loss = loss_fn(out, _device_raw(b))
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and b.mask is not None and len(loss) == len(b.mask):
+            per = loss.reshape(loss.shape[0], -1).float().mean(1)
+            return (per * b.mask).sum() / b.mask.sum()
+        if b.padded_to is not None:
+            real = _cut_rows(b)
+            return loss_fn(model(*real.args, **real.kwargs), _device_raw(real))
+        return loss
+    own = _own_loss(out)
+    if own is not None and b.padded_to is not None:
+        real = _cut_rows(b)
+        own = _own_loss(model(*real.args, **real.kwargs))
+    return own
+
+
+def _cut_rows(b: Batch) -> Batch:
+    """The batch without its padding rows (a new shape: one more program, for the last batch only)."""
+    cut = lambda t: t[: b.size] if t.dim() else t
+    args, kwargs, target = map_tensors((b.args, b.kwargs, b.target), cut)
+    return replace(b, args=args, kwargs=kwargs, target=target, mask=None, padded_to=None)
 
 
 def _device_raw(b: Batch) -> Any:
