@@ -359,16 +359,17 @@ x = torch.randn(100, 8, generator=g); y = (x[:, 0] > 0).long()
 torch.manual_seed(0)
 m1 = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)); mn = copy.deepcopy(m1)
 loader = DataLoader(TensorDataset(x, y), batch_size=32)
-est = TPUEstimator(verbose=False, sharding=sys.argv[2])
+est = TPUEstimator(verbose=False, sharding=sys.argv[2], mode=sys.argv[3])
 assert len(est.devices) == int(sys.argv[1]), est.devices
 opts = []
 hn = est.fit(mn, loader, epochs=2, optimizer=lambda p: opts.append(torch.optim.AdamW(p, lr=1e-3)) or opts[-1])
-h1 = TPUEstimator(devices=1, verbose=False).fit(m1, loader, epochs=2)
+h1 = TPUEstimator(devices=1, verbose=False, mode=sys.argv[3]).fit(m1, loader, epochs=2)
 w = mn[0].weight
 assert len(sharding_of(w).device_set) == len(est.devices)
 want_spec = ("data",) if sys.argv[2] == "fsdp" else ()
-assert tuple(sharding_of(w).spec) == want_spec, sharding_of(w)
-assert tuple(sharding_of(opts[0].state[w]["exp_avg"]).spec) == want_spec
+spec = lambda t: tuple(sharding_of(t).spec) + (None,) * (t.dim() - len(sharding_of(t).spec))
+assert spec(w) == want_spec + (None,) * (w.dim() - len(want_spec)), sharding_of(w)
+assert spec(opts[0].state[w]["exp_avg"]) == spec(w)
 torch.testing.assert_close(torch.tensor(hn.loss), torch.tensor(h1.loss), rtol=1e-4, atol=0)
 for a, b in zip(m1.parameters(), mn.parameters()):
     torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-4, atol=1e-6)
@@ -378,13 +379,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("n,sharding", [(4, "dp"), (8, "dp"), (4, "fsdp")])
-def test_data_parallel_equals_one_device(n, sharding):
+@pytest.mark.parametrize("n,sharding,mode", [(4, "dp", "auto"), (8, "dp", "auto"), (4, "fsdp", "auto"),
+                                            (4, "dp", "compile")])
+def test_data_parallel_equals_one_device(n, sharding, mode):
     import subprocess
     import sys
 
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(n), sharding], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(n), sharding, mode], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
