@@ -3,6 +3,12 @@
     python -m torch_tpu.bench dispatch [--n 2000]
     python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused|compile [--steps N]
     python -m torch_tpu.bench train --workload gpt --compare
+    python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
+
+``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
+DataLoader), next to the same step written by hand in the same mode (``train``), for each device
+count in ``--devices``. On XLA:CPU, counts above the host's devices use virtual CPU devices
+(``--xla_force_host_platform_device_count``): the run re-executes itself with that flag.
 
 ``train``: steps per second (best of three timed windows, compile excluded) and the first-step
 time, as one JSON line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -92,6 +101,57 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
             "final_loss": round(final, 5), "platform": torch_tpu.platform()}
 
 
+def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 3) -> dict:
+    """Samples/s of ``fit`` over the ``3 * steps`` steps that follow ``warmup`` steps."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torch_tpu.bench import workloads
+    from torch_tpu.estimator import TPUEstimator
+
+    model, step, _ = workloads.make(workload, "cpu")
+    x, y = step.data
+    n = warmup + 3 * steps
+    loader = DataLoader(TensorDataset(x.repeat(n, *([1] * (x.dim() - 1))), y.repeat(n, *([1] * (y.dim() - 1)))),
+                        batch_size=x.shape[0])
+    est = TPUEstimator(devices=devices, mode=mode, verbose=False)
+    history = est.fit(model, loader, optimizer=step.make_optimizer, log_every=10**9)
+    # each step's samples/s is measured by fit between the ends of consecutive steps (the host
+    # reads step N-1's loss while step N runs): add up the time of the steps after the warm-up
+    timed = history.steps[warmup:]
+    seconds = sum(x.shape[0] / s["samples_per_s"] for s in timed)
+    samples = len(timed) * x.shape[0] / seconds
+    return {"workload": workload, "mode": mode, "devices": devices, "fit_samples_per_s": round(samples, 2),
+            "programs_compiled": history.programs_compiled, "final_loss": round(history.loss[-1], 5),
+            "platform": torch_tpu.platform()}
+
+
+def _estimator_table(workload: str, mode: str, steps: int, counts: list[int]) -> None:
+    import jax
+
+    have = len(jax.devices())
+    if max(counts) > have and torch_tpu.platform() == "cpu" and "TORCH_TPU_BENCH_CHILD" not in os.environ:
+        env = {**os.environ, "TORCH_TPU_BENCH_CHILD": "1",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(counts)}"}
+        sys.exit(subprocess.call([sys.executable, "-m", "torch_tpu.bench", *sys.argv[1:]], env=env))
+    hand = train(workload, mode, steps)
+    batch = workloads_batch(workload)
+    print(json.dumps({**hand, "hand_samples_per_s": round(hand["steps_per_s"] * batch, 2)}))
+    rows = [estimator(workload, mode, steps, n) for n in counts]
+    for r in rows:
+        print(json.dumps(r))
+    print(f"{'devices':>7s} {'fit samples/s':>14s} {'vs hand loop':>13s} {'vs 1 device':>12s}")
+    for r in rows:
+        base = rows[0]["fit_samples_per_s"]
+        print(f"{r['devices']:7d} {r['fit_samples_per_s']:14.1f} "
+              f"{r['fit_samples_per_s'] / (hand['steps_per_s'] * batch):13.3f} {r['fit_samples_per_s'] / base:12.3f}")
+
+
+def workloads_batch(workload: str) -> int:
+    from torch_tpu.bench import workloads
+
+    return 128 if workload == "mlp" else workloads.SIZES[workload][5]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m torch_tpu.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -102,7 +162,14 @@ def main() -> None:
     t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "compile", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
+    e = sub.add_parser("estimator", help="samples/s of TPUEstimator.fit next to the hand-written step")
+    e.add_argument("--workload", default="gpt", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
+    e.add_argument("--mode", default="compile", choices=["strict", "fused", "compile"])
+    e.add_argument("--steps", type=int, default=10)
+    e.add_argument("--devices", default="1", help="comma-separated device counts, e.g. 1,4")
     a = p.parse_args()
+    if a.cmd == "estimator":
+        _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":
         modes = ["debug", "strict", "fused", "compile", "cpu"] if a.compare else [a.mode]
         rows = [train(a.workload, m, a.steps) for m in modes]

@@ -92,4 +92,6 @@ def make(name: str, dev: torch.device | str, seed: int = 0, bf16: bool = False) 
         opt.step()
         return loss
 
+    step.data = (x, y)  # the fixed batch (the estimator benchmark feeds it through a loader)
+    step.make_optimizer = make_opt
     return model, step, tokens
