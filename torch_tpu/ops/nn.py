@@ -100,18 +100,32 @@ def jax_kernel(op: torch._ops.OpOverload, fn: Callable, meta: Callable | None = 
     stands in for torch's meta kernel where it has none (same arguments, returns meta tensors).
     """
     name = str(op)
+    memo: dict[tuple, list] = {}  # input signature -> output dtypes (None: undefined output)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         metrics.op_counts[name] += 1
-        metas = (meta or op)(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
-        metas = metas if isinstance(metas, (tuple, list)) else (metas,)
+        key = (_signature(args), _signature(tuple(kwargs.items())))
+        out_dtypes = memo.get(key)
+        if out_dtypes is None:  # torch's meta kernel (often a Python decomposition): once per signature
+            metas = (meta or op)(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+            metas = metas if isinstance(metas, (tuple, list)) else (metas,)
+            out_dtypes = memo[key] = [None if m is None else m.dtype for m in metas]
         static, dynamic = _split(_bind(op, args, kwargs))
-        defined = [m for m in metas if m is not None]
-        outs = iter(run_jax(name, fn, static, dynamic, [m.dtype for m in defined]))
-        res = [None if m is None else _wrap(next(outs), m.dtype) for m in metas]
+        outs = iter(run_jax(name, fn, static, dynamic, [d for d in out_dtypes if d is not None]))
+        res = [None if d is None else _wrap(next(outs), d) for d in out_dtypes]
         return res[0] if len(res) == 1 else tuple(res)
 
     register_kernel(op, run, "kernel (jax)")
+
+
+def _signature(v: Any) -> Any:
+    """What a meta kernel's result depends on: tensor shapes and dtypes, and every other argument
+    but Python floats (runtime values)."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, v.device.type)
+    if isinstance(v, (list, tuple)):
+        return tuple(_signature(x) for x in v)
+    return float if type(v) is float else v
 
 
 def _wrap(value: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -80,9 +80,21 @@ def check_values(t: torch.Tensor, bad: Predicate, params: tuple, error: Callable
     with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
         flag, first = execute(_program(bad, params), read(t))
     site = fused.user_site()
+    _settle_ready()
     _pending.append((flag, first, error, f"{site[0]}:{site[1]}" if site else "?"))
     if len(_pending) > _MAX_PENDING:
         raise_pending()
+
+
+def _settle_ready() -> None:
+    """Resolves the oldest checks whose results the device has already produced (no waiting),
+    so a loop that never reads the host keeps few pending checks."""
+    while _pending:
+        flag = _pending[0][0]
+        value = flag.value if type(flag) is fused.Lazy else flag
+        if value is None or not value.is_ready():
+            return
+        _raise_failed([_pending.pop(0)])
 
 
 def raise_pending() -> None:
@@ -91,6 +103,10 @@ def raise_pending() -> None:
         return
     checks = list(_pending)
     _pending.clear()
+    _raise_failed(checks)
+
+
+def _raise_failed(checks: list) -> None:
     for flag, first, error, site in checks:
         if bool(np.asarray(fused.concrete(flag))):
             e = error(np.asarray(fused.concrete(first)).item())
