@@ -386,8 +386,8 @@ def test_data_parallel_equals_one_device(n, sharding, mode):
     import sys
 
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(n), sharding, mode], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(n), sharding, mode], env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 

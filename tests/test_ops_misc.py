@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same
+from torch.utils._pytree import tree_leaves
 
 import torch_tpu
 
@@ -278,3 +279,243 @@ def test_linalg_gradients_match_cpu():
         y = tpu(a).requires_grad_()
         (gt,) = torch.autograd.grad(f(y), y)
         assert_same(gt, gc, rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------- distances, matrix functions, QR pieces, lstsq, eig
+class _NoFallback:
+    """Asserts that the block adds no CPU fallback."""
+
+    def __enter__(self):
+        self.before = dict(torch_tpu.metrics()["fallback_counts"])
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            assert dict(torch_tpu.metrics()["fallback_counts"]) == self.before
+
+
+def _fwd_bwd(f, *inputs, grad_args=None):
+    """f on CPU and tpu, outputs and the gradients (uneven cotangent) of the float outputs."""
+    grad_args = range(len(inputs)) if grad_args is None else grad_args
+
+    def run(dev):
+        xs = [x.to(dev) for x in inputs]
+        for i in grad_args:
+            xs[i].requires_grad_()
+        out = f(*xs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        fl = [o for o in outs if o.requires_grad]
+        total = sum((o * (torch.arange(o.numel()) % 5 + 1).reshape(o.shape).to(dev, o.dtype)).sum() for o in fl)
+        gs = torch.autograd.grad(total, [xs[i] for i in grad_args]) if fl else ()
+        return outs, gs
+
+    return run("cpu"), run("tpu")
+
+
+def _check(f, *inputs, grad_args=None, rtol=1e-3, atol=1e-4):
+    (co, cg), (to, tg) = _fwd_bwd(f, *inputs, grad_args=grad_args)
+    for c, t in zip(co, to):
+        assert_same(t.detach(), c.detach(), rtol=rtol, atol=atol, equal_nan=True)
+    for c, t in zip(cg, tg):
+        assert_same(t, c, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def test_cdist_matches_cpu_without_fallback():
+    a, b = torch.randn(2, 6, 4), torch.randn(2, 7, 4)
+    b[:, 0] = a[:, 0]  # a zero distance: CPU's gradient is zero there
+    with _NoFallback():
+        for p in [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")]:
+            _check(lambda x, y, p=p: torch.cdist(x, y, p=p, compute_mode="donot_use_mm_for_euclid_dist"), a, b)
+        _check(lambda x, y: torch.cdist(x, y), torch.randn(30, 3), torch.randn(28, 3))  # the matrix-product path
+        _check(lambda x, y: torch.cdist(x, y, p=1.0), torch.randn(1, 4, 3), torch.randn(3, 5, 3))  # broadcast batch
+
+
+def test_matrix_exp_rounds_like_cpu():
+    a = torch.randn(5, 5, 5) * 3  # large norms: scaling and squaring
+    with _NoFallback():
+        assert_same(torch.linalg.matrix_exp(tpu(a)), torch.linalg.matrix_exp(a), rtol=1e-3, atol=1e-4)
+        for scale in [1e-8, 1e-4, 1e-2, 0.3, 1.0, 2.0]:  # every Taylor degree
+            _check(torch.linalg.matrix_exp, torch.randn(3, 4, 4) * scale / 4)
+        _check(torch.linalg.matrix_exp, torch.randn(2, 1, 1))
+        _check(torch.linalg.matrix_exp, torch.randn(12, 12) / 3, rtol=1e-3, atol=1e-3)  # the BLAS-sized path
+        _check(torch.linalg.matrix_exp, torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_householder_geqrf_ormqr_match_cpu():
+    a = torch.randn(2, 6, 4)
+    with _NoFallback():
+        h, tau = torch.geqrf(tpu(a))
+        hc, tauc = torch.geqrf(a)
+        assert_same(h, hc, rtol=1e-3, atol=1e-4)
+        assert_same(tau, tauc, rtol=1e-3, atol=1e-4)
+        _check(torch.linalg.householder_product, hc, tauc)
+        _check(torch.linalg.householder_product, hc, tauc[..., :2])
+        c = torch.randn(2, 6, 3)
+        for left, tr in [(True, False), (True, True)]:
+            _check(lambda x, t, y, left=left, tr=tr: torch.ormqr(x, t, y, left=left, transpose=tr), hc, tauc, c)
+        _check(lambda x, t, y: torch.ormqr(x, t, y, left=False, transpose=True), hc, tauc, torch.randn(2, 3, 6))
+    with pytest.raises(RuntimeError):
+        torch.geqrf(torch.randn(3, device="tpu"))
+    with pytest.raises(NotImplementedError):
+        torch.geqrf(torch.randn(3, 3, device="tpu", dtype=torch.float16))
+
+
+def test_lstsq_drivers_match_cpu():
+    deficient = torch.randn(5, 3)
+    deficient[:, 2] = deficient[:, 0] + deficient[:, 1]
+    cases = [(torch.randn(4, 3), torch.randn(4, 2)), (torch.randn(2, 3), torch.randn(2, 2)),
+             (torch.randn(2, 5, 3), torch.randn(2, 5)), (torch.randn(1, 4, 3), torch.randn(2, 4, 2)),
+             (deficient, torch.randn(5, 2)), (torch.randn(4, 0), torch.randn(4, 2))]
+    with _NoFallback():
+        for a, b in cases:
+            for driver in [None, "gels", "gelsy", "gelsd", "gelss"]:
+                if driver == "gels" and a is deficient:
+                    continue
+                got = torch.linalg.lstsq(tpu(a), tpu(b), driver=driver)
+                want = torch.linalg.lstsq(a, b, driver=driver)
+                for g, w in zip(got, want):
+                    assert_same(g, w, rtol=1e-3, atol=1e-4)
+        _check(lambda x, y: torch.linalg.lstsq(x, y).solution, torch.randn(5, 3), torch.randn(5, 2))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.linalg.lstsq(torch.randn(3, 2, device="tpu"), torch.randn(3, 2, device="tpu", dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="driver"):
+        torch.linalg.lstsq(torch.randn(3, 2, device="tpu"), torch.randn(3, 2, device="tpu"), driver="foo")
+
+
+def test_eig_matches_cpu_up_to_vector_sign():
+    """Eigenvalues match; real inputs' eigenvectors match up to sign (jaxlib's LAPACK is not
+    CPU's MKL), which is what PyTorch's own OpInfo compares (their absolute values)."""
+    with _NoFallback():
+        for a in [torch.randn(5, 5), torch.randn(3, 4, 4), torch.randn(4, 4, dtype=torch.complex64)]:
+            w, v = torch.linalg.eig(tpu(a))
+            wc, vc = torch.linalg.eig(a)
+            assert_same(w, wc, rtol=1e-3, atol=1e-4)
+            assert_same(v.abs(), vc.abs(), rtol=1e-3, atol=1e-4)
+            assert_same(torch.linalg.eigvals(tpu(a)), torch.linalg.eigvals(a), rtol=1e-3, atol=1e-4)
+        _check(lambda x: [t.abs() for t in torch.linalg.eig(x)], torch.randn(4, 4))
+
+
+def test_histograms_match_cpu():
+    x, w100 = torch.randn(100), torch.rand(100)
+    y, w50 = torch.randn(50, 3), torch.rand(50)
+    cases = [
+        lambda d: torch.histogram(d(x), 10),
+        lambda d: torch.histogram(d(x), 10, range=(-1.0, 1.0), density=True),
+        lambda d: torch.histogram(d(x), 10, weight=d(w100), density=True),
+        lambda d: torch.histogram(d(x), d(torch.tensor([-1.0, 0.0, 0.5, 2.0]))),
+        lambda d: torch.histogram(d(torch.ones(5)), 3),
+        lambda d: torch.histogram(d(torch.empty(0)), 3),
+        lambda d: torch.histogramdd(d(y), [3, 4, 5], weight=d(w50), density=True),
+        lambda d: torch.histogramdd(d(y), [3, 4, 5], range=[-1.0, 1.0, -2.0, 2.0, 0.0, 1.0]),
+        lambda d: torch.histogramdd(d(y), [d(torch.tensor([-1.0, 0.0, 1.0])), d(torch.tensor([-2.0, 0.0, 2.0])),
+                                           d(torch.tensor([0.0, 1.0]))]),
+    ]
+    with _NoFallback():
+        for f in cases:
+            got, want = tree_leaves(tuple(f(tpu))), tree_leaves(tuple(f(lambda t: t)))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+    for bad in [lambda d: torch.histogram(d(x), 0), lambda d: torch.histogram(d(x), 3, range=(2.0, 1.0)),
+                lambda d: torch.histogram(d(torch.tensor([1.0, float("nan")])), 3),
+                lambda d: torch.histogramdd(d(y), [3, 4])]:
+        with pytest.raises(RuntimeError):
+            bad(tpu)
+    with pytest.raises(NotImplementedError):
+        torch.histogram(tpu(x.long()), 3)
+
+
+def test_segment_reduce_matches_cpu():
+    d = torch.randn(7, 3)
+    lengths = torch.tensor([2, 0, 3, 2])
+    offsets = torch.tensor([0, 2, 2, 5, 7])
+    with _NoFallback():
+        for reduce in ["sum", "mean", "max", "min", "prod"]:
+            for initial in [None, 0.5]:
+                _check(lambda x, r=reduce, i=initial: torch.segment_reduce(x, r, lengths=tpu_like(x, lengths),
+                                                                            initial=i).nan_to_num(0, 0, 0), d)
+                _check(lambda x, r=reduce, i=initial: torch.segment_reduce(x, r, offsets=tpu_like(x, offsets),
+                                                                            initial=i).nan_to_num(0, 0, 0), d)
+        ties = torch.tensor([1.0, 3.0, 3.0, 2.0, 5.0, 5.0, 5.0])
+        _check(lambda x: -torch.segment_reduce(x, "max", lengths=tpu_like(x, torch.tensor([3, 4]))), ties)
+        zeros = torch.tensor([1.0, 3.0, 0.0, 2.0, 0.0, 5.0, 0.0])
+        _check(lambda x: torch.segment_reduce(x, "prod", lengths=tpu_like(x, torch.tensor([3, 4]))), zeros)
+    with pytest.raises(RuntimeError, match="negative"):
+        torch.segment_reduce(tpu(d), "sum", lengths=tpu(torch.tensor([2, -1, 6])))
+    with pytest.raises(RuntimeError, match="sum to"):
+        torch.segment_reduce(tpu(d), "sum", lengths=tpu(torch.tensor([3, 3])))
+
+
+def tpu_like(ref, t):
+    return t.to(ref.device)
+
+
+def test_hash_tensor_matches_cpu():
+    cases = [(torch.tensor([1.5, 2.25, -3.0]), {}), (torch.randn(3, 4), {"dim": 1}),
+             (torch.randn(3, 4), {"dim": [0], "keepdim": True}), (torch.tensor([-1, 5], dtype=torch.int8), {}),
+             (torch.tensor([True, False, True]), {}), (torch.randn(2, 3).half(), {})]
+    with _NoFallback():
+        for x, kw in cases:
+            got, want = torch.hash_tensor(tpu(x), **kw), torch.hash_tensor(x, **kw)
+            assert got.dtype == want.dtype == torch.uint64 and got.shape == want.shape
+            assert torch.equal(got.cpu().view(torch.int64), want.view(torch.int64))
+
+
+def test_grid_sampler_3d_matches_cpu():
+    x, g = torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 2, 3) * 3 - 1.5
+    with _NoFallback():
+        for mode in ["bilinear", "nearest"]:
+            for pad in ["zeros", "border", "reflection"]:
+                for ac in [False, True]:
+                    _check(lambda a, b, m=mode, p=pad, c=ac: torch.nn.functional.grid_sample(
+                        a, b, mode=m, padding_mode=p, align_corners=c), x, g)
+
+
+def test_antialiased_upsampling_matches_cpu():
+    x = torch.randn(2, 3, 10, 20)
+    with _NoFallback():
+        for mode in ["bilinear", "bicubic"]:
+            for kw in [{"size": (3, 3)}, {"size": (25, 7)}, {"size": (10, 5)}, {"scale_factor": (1.7, 0.9)}]:
+                for ac in [False, True]:
+                    _check(lambda a, m=mode, k=kw, c=ac: torch.nn.functional.interpolate(
+                        a, mode=m, antialias=True, align_corners=c, **k), x)
+
+
+def test_ctc_loss_matches_cpu():
+    T, N, C = 12, 4, 6
+    lp = torch.randn(T, N, C).log_softmax(-1)
+    targets = torch.randint(1, C, (N, 5))
+    flat = torch.cat([targets[0, :5], targets[1, :3], targets[3, :4]])
+    F = torch.nn.functional
+    with _NoFallback():
+        for red in ["none", "mean", "sum"]:
+            _check(lambda x, r=red: F.ctc_loss(x, tpu_like(x, targets), [12, 10, 8, 12], [5, 3, 0, 4], reduction=r),
+                   lp)
+        _check(lambda x: F.ctc_loss(x, tpu_like(x, flat), [12, 10, 8, 12], [5, 3, 0, 4], reduction="none"), lp)
+        _check(lambda x: F.ctc_loss(x, tpu_like(x, targets - 1), [12, 10, 8, 12], [5, 3, 1, 4], blank=C - 1,
+                                    reduction="none"), lp)
+        for zi in [False, True]:  # an impossible alignment: inf loss (NaN gradient unless zero_infinity)
+            _check(lambda x, z=zi: F.ctc_loss(x, tpu_like(x, targets), [3, 10, 8, 12], [5, 3, 0, 4],
+                                              reduction="none", zero_infinity=z), lp)
+
+
+def test_ldl_factor_and_solve_match_cpu_pivots():
+    """Bunch-Kaufman pivots (2x2 blocks too: small diagonals force them) equal LAPACK's."""
+    with _NoFallback():
+        for dtype in [torch.float32, torch.complex64]:
+            for hermitian in [False, True]:
+                a = torch.randn(3, 6, 6, dtype=dtype)
+                a.diagonal(dim1=-2, dim2=-1).mul_(0.001)
+                s = a + (a.mH if hermitian else a.mT)
+                ld, piv, info = torch.linalg.ldl_factor_ex(tpu(s), hermitian=hermitian)
+                ldc, pivc, infoc = torch.linalg.ldl_factor_ex(s, hermitian=hermitian)
+                assert (pivc < 0).any()
+                assert torch.equal(piv.cpu(), pivc) and torch.equal(info.cpu(), infoc)
+                assert_same(ld, ldc, rtol=1e-3, atol=1e-4)
+                b = torch.randn(3, 6, 2, dtype=dtype)
+                assert_same(torch.linalg.ldl_solve(ld, piv, tpu(b), hermitian=hermitian),
+                            torch.linalg.ldl_solve(ldc, pivc, b, hermitian=hermitian), rtol=1e-3, atol=1e-4)
+        singular = torch.zeros(2, 3, 3)
+        singular[1, 2, 2] = 1.0
+        _, piv, info = torch.linalg.ldl_factor_ex(tpu(singular))
+        _, pivc, infoc = torch.linalg.ldl_factor_ex(singular)
+        assert torch.equal(piv.cpu(), pivc) and torch.equal(info.cpu(), infoc)

@@ -7,6 +7,12 @@ float32, as CPU does.
 
 Factorizations go through ``jax.lax.linalg``/``jnp.linalg``. Pivots follow LAPACK (1-based int32),
 ``info`` follows LAPACK too, and ``_linalg_check_errors`` raises CPU's messages from it.
+
+Where CPU's own algorithm decides the result beyond rounding, it is reproduced step by step: the
+matrix exponential (its Taylor degrees and the rounding of its small matrix products, because
+ill-conditioned results amplify any other rounding past the comparison tolerance) and the
+Bunch-Kaufman LDL factorization (its pivots). Ops without a meta kernel in torch (geqrf, lstsq)
+are hand-written kernels.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import torch
 from jax import lax
 
 from torch_tpu._dispatch import REGISTERED, _OpKernel, _twins, kernel, register_kernel
-from torch_tpu._storage import to_cpu
+from torch_tpu._storage import new_tensor, to_cpu
 from torch_tpu.ops._registry import LOWERINGS, Lowering, aten, lower
+from torch_tpu.ops.nn import jax_kernel, run_jax
 
 _PRECISION = {
     "highest": lax.Precision.HIGHEST,
@@ -399,3 +406,570 @@ def linalg_qr(A, mode="reduced"):
 def _linalg_check_errors(info: torch.Tensor, api_name: str, *, is_matrix: bool) -> None:
     """Reads ``info`` (a sync) and raises CPU's error for a failed factorization."""
     torch.ops.aten._linalg_check_errors(to_cpu(info), api_name, is_matrix=is_matrix)
+
+
+# ----------------------------------------------------------------------------- dtype checks
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The name CPU's dispatch errors give a dtype ('Float', 'Half', 'Long')."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
+
+
+_LAPACK_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _dtype_check(kernel_name: str, dtypes=_LAPACK_DTYPES):
+    """A ``check`` raising CPU's dispatch error for dtypes its kernel lacks (half precision):
+    torch's meta kernels accept them."""
+
+    def check(first, *args, **kwargs):
+        if first.dtype not in dtypes and (first.dtype.is_floating_point or first.dtype.is_complex):
+            raise NotImplementedError(f'"{kernel_name}" not implemented for \'{_dtype_name(first.dtype)}\'')
+
+    return check
+
+
+# ----------------------------------------------------------------------------- distances
+def _cdist_pairs(x1, x2):
+    """x1 (.., P, M) and x2 (.., R, M) with broadcast batch dims, and their differences (.., P, R, M)."""
+    batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    return x1, x2, x1[..., :, None, :] - x2[..., None, :, :]
+
+
+def _cdist_uses_mm(p: float, compute_mode, r1: int, r2: int) -> bool:
+    """CPU's rule for the Euclidean distance through a matrix product (faster, less exact)."""
+    return p == 2 and (compute_mode == 1 or (compute_mode in (None, 0) and (r1 > 25 or r2 > 25)))
+
+
+@lower(aten._cdist_forward, static_scalars=True, check=_dtype_check("cdist", (torch.float32, torch.float64)))
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    """``p`` is static: each norm order has its own formula, as on CPU."""
+    p = float(p)
+    if _cdist_uses_mm(p, compute_mode, x1.shape[-2], x2.shape[-2]):
+        hp = lax.Precision.HIGHEST
+        n1 = jnp.sum(x1 * x1, axis=-1)[..., :, None]
+        n2 = jnp.sum(x2 * x2, axis=-1)[..., None, :]
+        sq = n1 + n2 - 2 * jnp.matmul(x1, _mT(x2), precision=hp)
+        return jnp.sqrt(jnp.maximum(sq, 1e-30))
+    _, _, diff = _cdist_pairs(x1, x2)
+    ad = jnp.abs(diff)
+    if p == 0:
+        return jnp.sum(ad != 0, axis=-1).astype(x1.dtype)
+    if p == 1:
+        return jnp.sum(ad, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(ad * ad, axis=-1))
+    if p == float("inf"):
+        return jnp.max(ad, axis=-1, initial=0)
+    return jnp.sum(ad**p, axis=-1) ** (1 / p)
+
+
+@lower(aten._cdist_backward, static_scalars=True)
+def _cdist_backward(grad, x1, x2, p, cdist):
+    """CPU's closed form (zero where the distance is zero), summed over x2's rows."""
+    p = float(p)
+    _, _, diff = _cdist_pairs(x1, x2)
+    g = grad[..., None]
+    d = cdist[..., None]
+    zero = jnp.zeros((), diff.dtype)
+    if p == 0 or diff.size == 0:
+        return jnp.zeros(diff.shape[:-2] + diff.shape[-1:], diff.dtype)
+    if p == 1:
+        term = g * jnp.sign(diff)
+    elif p == 2:
+        term = jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
+    elif p == float("inf"):
+        term = g * jnp.sign(diff) * (jnp.abs(diff) == d)
+    elif p < 2:
+        safe = jnp.where(d == 0, 1, d)
+        val = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) * g / safe ** (p - 1)
+        term = jnp.where((d == 0) | ((diff == 0) & (p < 1)), zero, val)
+    else:
+        safe = jnp.where(d == 0, 1, d)
+        term = jnp.where(d == 0, zero, diff * jnp.abs(diff) ** (p - 2) * g / safe ** (p - 1))
+    return jnp.sum(term, axis=-2)
+
+
+# ----------------------------------------------------------------------------- matrix functions
+# CPU's matrix exponential: the optimized Taylor polynomials of degree 1, 2, 4, 8, 12 and 18 of
+# Bader, Blanes and Casas, "Computing the Matrix Exponential with an Optimized Taylor Polynomial
+# Approximation" (Mathematics 2019, 7, 1174), the degree picked from the 1-norm, with scaling and
+# squaring above the last bound. Pade approximants give other roundings, which in float32
+# exceed the comparison tolerance for ill-conditioned results; the same polynomials match CPU.
+_MEXP_THETAS = {
+    # float32 / complex64
+    False: (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02, 5.800524627688768e-01,
+            1.461661507209034e+00, 3.010066362817634e+00),
+    # float64 / complex128
+    True: (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04, 4.991228871115323e-02,
+           2.996158913811580e-01, 1.090863719290036e+00),
+}
+# degree 12: rows combine (I, A, A^2, A^3) into B0..B3; exp ~ B0 + (B1 + A6) A6, A6 = B2 + B3 B3
+_MEXP_B12 = (
+    (9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740),
+    (5.31597895759871264183, 1.19926790417132231573, 0.01179296240992997031, 0.01108844528519167989),
+    (0.18188869982170434744, 0.05502798439925399070, 0.09351590770535414968, 0.00610700528898058230),
+    (-2.0861320e-13, -0.13181061013830184015, -0.02027855540589259079, -0.00675951846863086359),
+)
+# degree 18: rows combine (I, A, A^2, A^3, A^6) into B0..B4;
+# A9 = B0 B4 + B3, exp ~ B1 + (B2 + A9) A9
+_MEXP_B18 = (
+    (0.0, -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.0),
+    (0.0, 3.97849749499645077844e-01, 1.36783778460411720168e+00, 4.98289622525382669416e-01,
+     -6.37898194594723280150e-04),
+    (-1.09676396052962061844e+01, 1.68015813878906206114e+00, 5.71779846478865511061e-02,
+     -6.98210122488052056106e-03, 3.34975017086070470649e-05),
+    (-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
+     2.95552570429315521194e-02, -1.39180257516060693404e-05),
+    (0.0, 0.0, -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05),
+)
+
+
+def _sum_in_order(terms):
+    """terms[0] + terms[1] + ... rounded after every step, as CPU's loops do: a scan over the
+    stacked terms, so that XLA cannot fuse the products that made them into FMAs."""
+    stacked = jnp.stack(terms)
+    return lax.scan(lambda acc, t: (acc + t, None), jnp.zeros_like(stacked[0]), stacked)[0]
+
+
+def _combine(coeffs, mats, dtype):
+    """sum_j coeffs[j] * mats[j], accumulated in order as CPU does."""
+    real = jnp.finfo(dtype).dtype
+    return _sum_in_order([m * jnp.asarray(c, real).astype(dtype) for c, m in zip(coeffs, mats)])
+
+
+def _bmm_cpu(a, b):
+    """A batched matrix product rounded as CPU's ``bmm``: below 400 multiply-adds per matrix CPU
+    runs a plain loop, one rounding per product and per sum (no fused multiply-add), which the
+    scan over precomputed products reproduces (XLA would fuse them into FMAs otherwise); larger
+    products go to the BLAS, whose sequential FMAs XLA's dot rounds the same way."""
+    m, k = a.shape[-2:]
+    if m * k * b.shape[-1] >= 400:
+        return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+    prods = a[..., :, :, None] * b[..., None, :, :]  # (.., m, k, n)
+    return _sum_in_order([prods[..., :, i, :] for i in range(k)])
+
+
+def _mexp_polys(a):
+    """The six Taylor approximants of exp(a), for matrices a (.., n, n)."""
+    dt = a.dtype
+    mm_ = _bmm_cpu
+    eye = _eye_like(a)
+    a2 = mm_(a, a)
+    a3 = mm_(a, a2)
+    a6 = mm_(a3, a3)
+    t1 = eye + a
+    t2 = eye + a + a2 / 2
+    t4 = _combine((1.0, 1.0, 0.0), (eye, a, a2), dt) + mm_(a2, _combine((1 / 2, 1 / 6, 1 / 24), (eye, a, a2), dt))
+    s177 = 0.1330413469565007072504e+2
+    x3 = 2.0 / 3.0
+    x1, x2 = x3 * ((1 + s177) / 88), x3 * ((1 + s177) / 352)
+    x4, x5 = (-271 + 29 * s177) / (315 * x3), (-11 + 11 * s177) / (1260 * x3)
+    x6, x7 = (-99 + 11 * s177) / (5040 * x3), (89 - s177) / (5040 * x3)
+    y2 = (857 - 58 * s177) / 630
+    a4 = mm_(a2, _combine((x1, x2), (a, a2), dt))
+    a8 = mm_(_combine((x3, 1.0), (a2, a4), dt), _combine((x4, x5, x6, x7), (eye, a, a2, a4), dt))
+    t8 = _combine((1.0, 1.0, y2, 0.0, 1.0), (eye, a, a2, a4, a8), dt)
+    b = [_combine(row, (eye, a, a2, a3), dt) for row in _MEXP_B12]
+    a6_ = b[2] + mm_(b[3], b[3])
+    t12 = b[0] + mm_(b[1] + a6_, a6_)
+    return t1, t2, t4, t8, t12, a6
+
+
+def _mexp_t18(a, a2, a3, a6):
+    b = [_combine(row, (_eye_like(a), a, a2, a3, a6), a.dtype) for row in _MEXP_B18]
+    a9 = b[3] + _bmm_cpu(b[0], b[4])
+    return b[1] + _bmm_cpu(b[2] + a9, a9)
+
+
+def _mexp_scaled(a, norm, theta):
+    """Degree 18 on a / 2^s, squared s times (s per matrix)."""
+    s = jnp.maximum(0.0, jnp.ceil(jnp.log2(norm / theta)))
+    s = jnp.where(jnp.isfinite(s), s, 0).astype(jnp.int32)
+    scaled = a / jnp.exp2(s.astype(norm.dtype))[..., None, None].astype(a.dtype)
+    a2 = _bmm_cpu(scaled, scaled)
+    a3 = _bmm_cpu(scaled, a2)
+    e = _mexp_t18(scaled, a2, a3, _bmm_cpu(a3, a3))
+
+    def body(c):
+        i, m = c
+        sq = _bmm_cpu(m, m)
+        return i + 1, jnp.where((i < s)[..., None, None], sq, m)
+
+    return lax.while_loop(lambda c: c[0] < jnp.max(s, initial=0), body, (jnp.int32(0), e))[1]
+
+
+@lower(aten.linalg_matrix_exp)
+def linalg_matrix_exp(self):
+    """CPU's algorithm (see above). Its backward is torch's own formula, an exp of a block matrix,
+    so it lands here too."""
+    if self.size == 0:
+        return self
+    if self.shape[-1] == 1:
+        return jnp.exp(self)
+    thetas = _MEXP_THETAS[self.dtype not in (jnp.float32, jnp.complex64)]  # CPU: float's for 32 bits only
+    norm = jnp.max(jnp.sum(jnp.abs(self), axis=-2), axis=-1)
+    polys = _mexp_polys(self)
+    out = _mexp_scaled(self, norm, thetas[5])  # norm >= thetas[4]
+    lowb = -1.0
+    for t, theta in zip(polys[:5], thetas[:5]):
+        pick = (norm > lowb) & (norm <= theta) & (norm < thetas[4])
+        out = jnp.where(pick[..., None, None], t, out)
+        lowb = theta
+    return out
+
+
+# ------------------------------------------------------------------------ Householder
+def geqrf(self):
+    """LAPACK's compact QR (reflectors below the diagonal, R on and above it, and the taus)."""
+    m, n = self.shape[-2:]
+    if min(m, n) == 0:
+        return self, jnp.zeros(self.shape[:-2] + (0,), self.dtype)
+    h, tau = jnp.linalg.qr(self, mode="raw")  # LAPACK's geqrf, its matrix transposed
+    return _mT(h), tau
+
+
+def _geqrf_meta(self: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch has no meta kernel for geqrf: CPU's checks and result shapes."""
+    if self.dim() < 2:
+        raise RuntimeError("torch.geqrf: input must have at least 2 dimensions.")
+    if self.dtype not in (torch.float32, torch.float64, torch.complex64, torch.complex128):
+        raise NotImplementedError(f'"geqrf_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    m, n = self.shape[-2:]
+    return torch.empty_like(self), self.new_empty(self.shape[:-2] + (min(m, n),))
+
+
+
+jax_kernel(aten.geqrf.default, geqrf, meta=_geqrf_meta)
+
+
+def _householder_q(A, tau):
+    """Q = H_1 ... H_k (the first n columns, LAPACK's orgqr) from reflectors A (.., m, n)."""
+    m, n = A.shape[-2:]
+    k = tau.shape[-1]
+    if m == 0 or n == 0:
+        return jnp.zeros(A.shape, A.dtype)
+    if k < n:  # zero taus are identity reflectors
+        tau = jnp.concatenate([tau, jnp.zeros(tau.shape[:-1] + (n - k,), tau.dtype)], axis=-1)
+    batch = jnp.broadcast_shapes(A.shape[:-2], tau.shape[:-1])
+    return lax.linalg.householder_product(jnp.broadcast_to(A, batch + (m, n)), jnp.broadcast_to(tau, batch + (n,)))
+
+
+@lower(aten.linalg_householder_product)
+def linalg_householder_product(input, tau):
+    return _householder_q(input, tau)
+
+
+@lower(aten.ormqr)
+def ormqr(self, input2, input3, left=True, transpose=False):
+    """op(Q) C or C op(Q), applying the reflectors in ``self`` one by one (LAPACK's ormqr)."""
+    batch = jnp.broadcast_shapes(self.shape[:-2], input2.shape[:-1], input3.shape[:-2])
+    a = jnp.broadcast_to(self, batch + self.shape[-2:])
+    tau = jnp.broadcast_to(input2, batch + input2.shape[-1:])
+    c = jnp.broadcast_to(input3, batch + input3.shape[-2:])
+    if c.size == 0 or tau.shape[-1] == 0:
+        return c
+    return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
+
+
+# ------------------------------------------------------------------------ least squares
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+def _lstsq_checks(A: torch.Tensor, B: torch.Tensor, driver: str | None) -> None:
+    """CPU's argument checks (torch has no meta kernel for lstsq)."""
+    where = "torch.linalg.lstsq:"
+    if A.dim() < 2:
+        raise RuntimeError(f"{where} input must have at least 2 dimensions.")
+    if B.dim() < 1:
+        raise RuntimeError(f"{where} other must have at least 1 dimension.")
+    if not (A.dim() >= B.dim() and A.dim() - B.dim() <= 1):
+        raise RuntimeError(
+            f"{where} input.dim() must be greater or equal to other.dim() and (input.dim() - other.dim()) <= 1"
+        )
+    if A.dtype != B.dtype:
+        raise RuntimeError(
+            f"{where} Expected input and other to have the same dtype, but got input's dtype "
+            f"{_dtype_name(A.dtype)} and other's dtype {_dtype_name(B.dtype)}"
+        )
+    if not (A.dtype.is_floating_point or A.dtype.is_complex) or A.dtype in (torch.float16, torch.bfloat16):
+        raise RuntimeError("This function doesn't handle types other than float and double")
+    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+    dim = -1 if vector else -2
+    if A.shape[-2] != B.shape[dim]:
+        raise RuntimeError(f"{where} input.size(-2) should match other.size({dim})")
+    if driver is not None and driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError(f"{where} parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+
+
+def _lstsq(a, b, *, driver: str, rcond: float | None, vector: bool):
+    """(solution, residuals, rank, singular values) through the SVD: the least-squares solution
+    of minimum norm, with singular values below ``rcond * s_max`` dropped (all kept for 'gels',
+    which assumes full rank). For well-posed problems that is LAPACK's solution for every driver."""
+    if vector:
+        b = b[..., None]
+    m, n = a.shape[-2:]
+    k = b.shape[-1]
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a_batch = a.shape[:-2]  # rank and singular values keep A's own batch shape, as on CPU
+    b = jnp.broadcast_to(b, batch + (m, k))
+    real = jnp.finfo(a.dtype).dtype
+    if min(m, n) == 0:
+        x = jnp.zeros(batch + (n, k), a.dtype)
+        rank = jnp.zeros(a_batch, jnp.int64)
+        sv = jnp.zeros(a_batch + (0,), real)
+    else:
+        u, sv, vh = jnp.linalg.svd(a, full_matrices=False)
+        cut = (jnp.finfo(real).eps * max(m, n)) if rcond is None else rcond
+        keep = sv > cut * sv[..., :1]
+        rank = jnp.sum(keep, axis=-1).astype(jnp.int64)
+        if driver != "gels":
+            inv = jnp.where(keep, 1 / jnp.where(keep, sv, 1), 0)
+        else:
+            inv = 1 / sv
+        hp = lax.Precision.HIGHEST
+        coef = jnp.matmul(_mH(u), b, precision=hp) * inv[..., :, None].astype(a.dtype)
+        x = jnp.broadcast_to(jnp.matmul(_mH(vh), coef, precision=hp), batch + (n, k))
+    r = jnp.matmul(a, x, precision=lax.Precision.HIGHEST) - b if n else -b
+    resid = jnp.sum(jnp.abs(r) ** 2, axis=-2).astype(real)
+    if driver == "gels" and n == 0:
+        resid = jnp.zeros_like(resid)  # as LAPACK's gels leaves it
+    return (x[..., 0] if vector else x), resid, rank, sv
+
+
+@kernel(aten.linalg_lstsq.default)
+def _linalg_lstsq(self: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *, driver: str | None = None):
+    """A kernel, not a lowering: torch has no meta kernel, and which results CPU returns depends
+    on the driver and, for 'gelsd'/'gelss', on whether every matrix has full rank (a sync)."""
+    _lstsq_checks(self, b, driver)
+    driver = driver or "gelsy"
+    vector = b.dim() == 1 or (b.dim() == self.dim() - 1 and b.shape == self.shape[:-1])
+    real = self.dtype.to_real()
+    static = {"driver": driver, "rcond": rcond, "vector": vector}
+    x, resid, rank, sv = run_jax(
+        "aten.linalg_lstsq", _lstsq, static, {"a": self, "b": b}, [self.dtype, real, torch.int64, real]
+    )
+    x, resid, rank, sv = (new_tensor(tuple(v.shape), d, v) for v, d in
+                          zip((x, resid, rank, sv), (self.dtype, real, torch.int64, real)))
+    m, n = self.shape[-2:]
+    empty_real = torch.empty(0, dtype=real, device=self.device)
+    if not (m > n and driver != "gelsy"):
+        resid = empty_real
+    elif driver in ("gelsd", "gelss") and not bool(torch.all(rank.cpu() == n)):
+        resid = empty_real
+    if driver == "gels":
+        rank = torch.empty(0, dtype=torch.int64, device=self.device)
+    if driver not in ("gelsd", "gelss"):
+        sv = empty_real
+    return x, resid, rank, sv
+
+
+# ---------------------------------------------------------------------- non-symmetric eig
+def _eig(A, vectors: bool):
+    """LAPACK's geev through ``lax.linalg.eig`` (what ``jnp.linalg.eig`` uses): eigenvalues as
+    CPU's; eigenvectors normalised to unit 2-norm with their largest component real, as CPU's, but
+    a real input's vectors may differ from CPU's in sign (jaxlib's LAPACK is not CPU's MKL).
+    PyTorch's OpInfo compares their absolute values, and eig's backward needs phase-invariant
+    losses anyway. XLA implements eig on CPU only (not on TPU or GPU)."""
+    ct = jnp.result_type(A.dtype, jnp.complex64)
+    if A.size == 0:
+        return jnp.zeros(A.shape[:-1], ct), jnp.zeros(A.shape, ct)
+    if not vectors:
+        return lax.linalg.eig(A, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0].astype(ct), None
+    w, v = lax.linalg.eig(A, compute_left_eigenvectors=False, compute_right_eigenvectors=True)
+    return w.astype(ct), v.astype(ct)
+
+
+@lower(aten.linalg_eig, check=_dtype_check("linalg_eig_out_cpu"))
+def linalg_eig(self):
+    return _eig(self, True)
+
+
+@lower(aten._linalg_eigvals, check=_dtype_check("linalg_eig_out_cpu"))
+def _linalg_eigvals(self):
+    return _eig(self, False)[0]
+
+
+# ---------------------------------------------------------------------------- LDL (Bunch-Kaufman)
+_BK_ALPHA = (1 + 17**0.5) / 8
+
+
+def _sym_from_lower(a, hermitian: bool):
+    """The full symmetric (Hermitian) matrix whose lower triangle is ``a``'s."""
+    low = jnp.tril(a, -1)
+    up = _mH(low) if hermitian else _mT(low)
+    d = jnp.diagonal(a)
+    if hermitian:
+        d = d.real.astype(a.dtype)
+    return low + up + jnp.diag(d)
+
+
+def _bk_abs(x):
+    """LAPACK's pivot magnitude: |re| + |im| for complex (cabs1), |x| for real."""
+    if jnp.iscomplexobj(x):
+        return jnp.abs(x.real) + jnp.abs(x.imag)
+    return jnp.abs(x)
+
+
+def _sytf2_lower(a, hermitian: bool):
+    """LAPACK's unblocked Bunch-Kaufman factorization (sytf2/hetf2, lower) of one matrix, step by
+    step with the same pivot choices: (LD, 1-based pivots with negative pairs for 2x2 blocks,
+    info). The trailing block is kept as a full symmetric matrix built from its lower triangle."""
+    n = a.shape[-1]
+    real_t = jnp.finfo(a.dtype).dtype
+    idx = jnp.arange(n)
+    herm = hermitian and jnp.iscomplexobj(a)
+
+    def diag_abs(m, i):
+        return jnp.abs(m[i, i].real) if herm else _bk_abs(m[i, i])
+
+    def step(state):
+        k, m, piv, info = state
+        col = jnp.where(idx > k, _bk_abs(m[:, k]), -1).astype(real_t)
+        imax = jnp.argmax(col)
+        colmax = jnp.where(k < n - 1, col[imax], 0).astype(real_t)
+        absakk = diag_abs(m, k)
+        singular = (jnp.maximum(absakk, colmax) == 0) | jnp.isnan(absakk)
+        rowv = jnp.where((idx >= k) & (idx != imax), _bk_abs(m[imax, :]), -1).astype(real_t)
+        rowmax = jnp.max(rowv)
+        c1 = absakk >= _BK_ALPHA * colmax
+        c2 = absakk >= _BK_ALPHA * colmax * (colmax / rowmax)
+        c3 = diag_abs(m, imax) >= _BK_ALPHA * rowmax
+        kp = jnp.where(singular | c1 | c2, k, imax)
+        two = ~singular & ~c1 & ~c2 & ~c3
+        kstep = jnp.where(two, 2, 1)
+        kk = k + kstep - 1
+        # interchange rows and columns kk and kp of the trailing block
+        perm = jnp.where(idx == kk, kp, jnp.where(idx == kp, kk, idx))
+        swapped = m[perm][:, perm]
+        trailing = (idx[:, None] >= k) & (idx[None, :] >= k)
+        m = jnp.where(trailing, swapped, m)
+        below = idx > k + kstep - 1  # rows and columns of the update
+        upd = below[:, None] & below[None, :]
+        # 1x1 pivot
+        x = jnp.where(idx > k, m[:, k], 0)
+        d11 = 1 / (m[k, k].real.astype(a.dtype) if herm else m[k, k])
+        xc = jnp.conj(x) if herm else x
+        one = m + jnp.where(upd, x[:, None] * (-d11 * xc)[None, :], 0)
+        one = one.at[:, k].set(jnp.where(idx > k, x * d11, one[:, k]))
+        # 2x2 pivot
+        a21 = m[k + 1, k] if n > 1 else m[k, k]
+        if herm:
+            dd = jnp.abs(a21).astype(a.dtype)
+            e11 = m[(k + 1) % n, (k + 1) % n].real.astype(a.dtype) / dd
+            e22 = m[k, k].real.astype(a.dtype) / dd
+            tt = 1 / (e11 * e22 - 1)
+            e21 = a21 / dd
+            dd = tt / dd
+            ck, ck1 = m[:, k], m[:, (k + 1) % n]
+            wk = dd * (e11 * ck - e21 * ck1)
+            wkp1 = dd * (e22 * ck1 - jnp.conj(e21) * ck)
+            delta = ck[:, None] * jnp.conj(wk)[None, :] + ck1[:, None] * jnp.conj(wkp1)[None, :]
+        else:
+            e21 = a21
+            e11 = m[(k + 1) % n, (k + 1) % n] / e21
+            e22 = m[k, k] / e21
+            t = 1 / (e11 * e22 - 1)
+            e21 = t / e21
+            ck, ck1 = m[:, k], m[:, (k + 1) % n]
+            wk = e21 * (e11 * ck - ck1)
+            wkp1 = e21 * (e22 * ck1 - ck)
+            delta = ck[:, None] * wk[None, :] + ck1[:, None] * wkp1[None, :]
+        blk = m - jnp.where(upd, delta, 0)
+        blk = blk.at[:, k].set(jnp.where(below, wk, blk[:, k]))
+        blk = blk.at[:, (k + 1) % n].set(jnp.where(below, wkp1, blk[:, (k + 1) % n]))
+        new = jnp.where(singular, m, jnp.where(two, blk, one))
+        lowmask = idx[:, None] >= idx[None, :]
+        new = jnp.where(trailing, _sym_from_lower(jnp.where(lowmask, new, 0), herm), new)
+        p1 = (kp + 1).astype(jnp.int32)
+        piv = jnp.where(two, piv.at[k].set(-p1).at[(k + 1) % n].set(-p1), piv.at[k].set(p1))
+        info = jnp.where((info == 0) & singular, k + 1, info).astype(jnp.int32)
+        return k + kstep, new, piv, info
+
+    m0 = _sym_from_lower(a, herm)
+    _, m, piv, info = lax.while_loop(lambda s: s[0] < n, step, (jnp.int32(0), m0, jnp.zeros(n, jnp.int32),
+                                                                 jnp.int32(0)))
+    return jnp.tril(m), piv, info
+
+
+@lower(aten.linalg_ldl_factor_ex, check=_dtype_check("ldl_factor_kernel_cpu"))
+def linalg_ldl_factor_ex(self, hermitian=False, check_errors=False):
+    """CPU's LAPACK sytrf/hetrf (lower), reproduced step by step so that the pivots agree. (LAPACK
+    blocks the updates of larger matrices: other roundings, but the same pivots in our checks up
+    to 130 columns.) A sequential loop over the columns: meant for small matrices."""
+    n = self.shape[-1]
+    batch = self.shape[:-2]
+    if self.size == 0:
+        return self, jnp.zeros(batch + (n,), jnp.int32), jnp.zeros(batch, jnp.int32)
+    flat = self.reshape((-1, n, n))
+    ld, piv, info = jax.vmap(lambda m: _sytf2_lower(m, hermitian))(flat)
+    return ld.reshape(self.shape), piv.reshape(batch + (n,)), info.reshape(batch)
+
+
+def _sytrs_lower(ld, piv, b, hermitian: bool):
+    """LAPACK's sytrs/hetrs (lower) for one factorization and right-hand sides ``b`` (n, k):
+    the row interchanges and 1x1/2x2 block solves in LAPACK's order."""
+    n = ld.shape[-1]
+    idx = jnp.arange(n)
+    herm = hermitian and jnp.iscomplexobj(ld)
+    cj = jnp.conj if herm else (lambda v: v)
+
+    def swap(x, i, j):
+        perm = jnp.where(idx == i, j, jnp.where(idx == j, i, idx))
+        return x[perm]
+
+    def fwd(state):  # L D Y = B
+        k, x = state
+        p = piv[k]
+        two = p < 0
+        kp = jnp.where(two, -p, p) - 1
+        x = jnp.where(two, swap(x, (k + 1) % n, kp), swap(x, k, kp))
+        # 1x1
+        below = (idx > k)[:, None]
+        one = x - jnp.where(below, ld[:, k][:, None] * x[k][None, :], 0)
+        dkk = ld[k, k].real.astype(ld.dtype) if herm else ld[k, k]
+        one = one.at[k].set(one[k] * (1 / dkk))
+        # 2x2
+        k1 = (k + 1) % n
+        below2 = (idx > k + 1)[:, None]
+        blk = x - jnp.where(below2, ld[:, k][:, None] * x[k][None, :], 0)
+        blk = blk - jnp.where(below2, ld[:, k1][:, None] * x[k1][None, :], 0)
+        akm1k = ld[k1, k]
+        akm1 = ld[k, k] / cj(akm1k)
+        ak = ld[k1, k1] / akm1k
+        denom = akm1 * ak - 1
+        bkm1 = blk[k] / cj(akm1k)
+        bk = blk[k1] / akm1k
+        blk = blk.at[k].set((ak * bkm1 - bk) / denom).at[k1].set((akm1 * bk - bkm1) / denom)
+        return k + jnp.where(two, 2, 1), jnp.where(two, blk, one)
+
+    def bwd(state):  # L^T X = Y (L^H when Hermitian)
+        k, x = state
+        p = piv[k]
+        two = p < 0
+        below = (idx > k)[:, None]
+        x = x.at[k].add(-jnp.sum(jnp.where(below, cj(ld[:, k])[:, None] * x, 0), axis=0))
+        km1 = jnp.maximum(k - 1, 0)
+        x2 = x.at[km1].add(-jnp.sum(jnp.where(below, cj(ld[:, km1])[:, None] * x, 0), axis=0))
+        x = jnp.where(two, x2, x)
+        kp = jnp.where(two, -p, p) - 1
+        return k - jnp.where(two, 2, 1), swap(x, k, kp)
+
+    _, y = lax.while_loop(lambda s: s[0] < n, fwd, (jnp.int32(0), b))
+    _, x = lax.while_loop(lambda s: s[0] >= 0, bwd, (jnp.int32(n - 1), y))
+    return x
+
+
+@lower(aten.linalg_ldl_solve, check=_dtype_check("ldl_solve_kernel_cpu"))
+def linalg_ldl_solve(LD, pivots, B, hermitian=False):
+    n = LD.shape[-1]
+    batch = jnp.broadcast_shapes(LD.shape[:-2], pivots.shape[:-1], B.shape[:-2])
+    if n == 0 or B.size == 0:
+        return jnp.broadcast_to(B, batch + B.shape[-2:])
+    dt = jnp.result_type(LD.dtype, B.dtype)
+    ld = jnp.broadcast_to(LD, batch + (n, n)).reshape((-1, n, n)).astype(dt)
+    piv = jnp.broadcast_to(pivots, batch + (n,)).reshape((-1, n)).astype(jnp.int32)
+    b = jnp.broadcast_to(B, batch + B.shape[-2:]).reshape((-1,) + B.shape[-2:]).astype(dt)
+    x = jax.vmap(lambda m, p, r: _sytrs_lower(m, p, r, hermitian))(ld, piv, b)
+    return x.reshape(batch + B.shape[-2:])

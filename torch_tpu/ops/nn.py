@@ -1235,3 +1235,250 @@ def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
 
 jax_kernel(aten._thnn_fused_gru_cell.default, _gru_cell, meta=_gru_cell_meta)
 jax_kernel(aten._thnn_fused_gru_cell_backward.default, _gru_cell_backward, meta=_gru_cell_backward_meta)
+
+
+# ================================================================================ grid sampler 3d
+def _grid_unnormalize(coord, size: int, align_corners: bool):
+    """[-1, 1] grid coordinates to input pixel positions, as CPU's grid sampler maps them."""
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _grid_reflect(coord, twice_low: int, twice_high: int):
+    """Reflects ``coord`` into [twice_low / 2, twice_high / 2] (CPU's reflect_coordinates)."""
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    lo = twice_low / 2
+    span = (twice_high - twice_low) / 2
+    c = jnp.abs(coord - lo)
+    extra = jnp.fmod(c, span)
+    flips = jnp.floor(c / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
+
+
+def _grid_source(coord, size: int, padding_mode: int, align_corners: bool):
+    coord = _grid_unnormalize(coord, size, align_corners)
+    if padding_mode == 1:  # border
+        coord = jnp.clip(coord, 0, size - 1)
+    elif padding_mode == 2:  # reflection
+        if align_corners:
+            coord = _grid_reflect(coord, 0, 2 * (size - 1))
+        else:
+            coord = _grid_reflect(coord, -1, 2 * size - 1)
+        coord = jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    """Trilinear (mode 0) or nearest (mode 1) sampling of ``input`` (N, C, D, H, W) at ``grid``
+    (N, D', H', W', 3; x, y, z in [-1, 1]); corners outside the input read zero."""
+    x = _acc(input)
+    g = grid.astype(x.dtype)
+    d, h, w = x.shape[-3:]
+    ix = _grid_source(g[..., 0], w, padding_mode, align_corners)
+    iy = _grid_source(g[..., 1], h, padding_mode, align_corners)
+    iz = _grid_source(g[..., 2], d, padding_mode, align_corners)
+
+    def gather(zi, yi, xi):  # (N, D', H', W') int -> (N, C, D', H', W'), zero outside
+        inside = (zi >= 0) & (zi < d) & (yi >= 0) & (yi < h) & (xi >= 0) & (xi < w)
+        flat = (jnp.clip(zi, 0, d - 1) * h + jnp.clip(yi, 0, h - 1)) * w + jnp.clip(xi, 0, w - 1)
+        vals = jax.vmap(lambda xn, fn: jnp.take(xn.reshape(xn.shape[0], -1), fn, axis=1))(x, flat)
+        return jnp.where(inside[:, None], vals, 0)
+
+    if interpolation_mode == 1:
+        return gather(*(jnp.round(c).astype(jnp.int64) for c in (iz, iy, ix)))
+    x0, y0, z0 = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    out = 0
+    for dz in (0, 1):
+        for dy in (0, 1):
+            for dx in (0, 1):
+                wx = (ix - x0) if dx else (x0 + 1 - ix)
+                wy = (iy - y0) if dy else (y0 + 1 - iy)
+                wz = (iz - z0) if dz else (z0 + 1 - iz)
+                idx = [(c + o).astype(jnp.int64) for c, o in ((z0, dz), (y0, dy), (x0, dx))]
+                out = out + gather(*idx) * (wx * wy * wz)[:, None]
+    return out
+
+
+def _grid_sampler_3d_check(input, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode == 2:
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+
+
+lower(aten.grid_sampler_3d.default, check=_grid_sampler_3d_check)(grid_sampler_3d)
+
+
+def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
+                              output_mask):
+    """The vjp of the forward lowering, for the results ``output_mask`` asks for."""
+    def fwd(x, g):
+        return grid_sampler_3d(x, g, interpolation_mode, padding_mode, align_corners)
+
+    x, g = _acc(input), _acc(grid)
+    _, vjp = jax.vjp(fwd, x, g)
+    gx, gg = vjp(_acc(grad_output).astype(x.dtype))
+    return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+
+
+jax_kernel(aten.grid_sampler_3d_backward.default, _grid_sampler_3d_backward)
+
+
+# ======================================================================= antialiased resampling
+def _aa_filter(kind: str, x: np.ndarray) -> np.ndarray:
+    x = np.abs(x)
+    if kind == "linear":
+        return np.where(x < 1, 1 - x, 0)
+    a = -0.5  # the bicubic filter antialiasing uses (PIL's)
+    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1, np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0))
+
+
+def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale, kind: str) -> np.ndarray:
+    """CPU's antialiasing weights as an (out, in) matrix: each output pixel averages the input
+    pixels under a filter widened by the downscaling factor, weights normalised to sum to 1."""
+    if align_corners:
+        s = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        s = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+    s = float(np.float32(s))
+    interp = 2 if kind == "linear" else 4
+    support = interp * 0.5 * s if s >= 1.0 else interp * 0.5
+    inv = 1.0 / s if s >= 1.0 else 1.0
+    m = np.zeros((out_size, in_size), np.float64)
+    for i in range(out_size):
+        center = s * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), in_size)
+        j = np.arange(lo, hi)
+        w = _aa_filter(kind, (j - center + 0.5) * inv)
+        total = w.sum()
+        m[i, lo:hi] = w / total if total != 0 else w
+    return m
+
+
+def _upsample_aa(x, output_size, align_corners, scales_h, scales_w, kind):
+    """Separable: along W first, then H, as CPU."""
+    y = _acc(x)
+    hp = lax.Precision.HIGHEST
+    (oh, ow), (ih, iw) = output_size, x.shape[-2:]
+    if ow != iw:  # CPU skips an axis whose size is unchanged
+        mw = jnp.asarray(_aa_weights(iw, ow, align_corners, scales_w, kind), y.dtype)
+        y = jnp.einsum("...w,ow->...o", y, mw, precision=hp)
+    if oh != ih:
+        mh = jnp.asarray(_aa_weights(ih, oh, align_corners, scales_h, kind), y.dtype)
+        y = jnp.einsum("...hw,oh->...ow", y, mh, precision=hp)
+    return y
+
+
+def _register_upsample_aa(op, kind: str):
+    """The forward and its backward (the vjp; the forward is linear in the input). Scales are
+    static: they pick the weights."""
+
+    def forward(self, output_size, align_corners, scales_h=None, scales_w=None):
+        return _upsample_aa(self, list(output_size), align_corners, scales_h, scales_w, kind)
+
+    def backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+        zeros = jnp.zeros(tuple(input_size), _acc(grad_output).dtype)
+        _, vjp = jax.vjp(lambda x: forward(x, output_size, align_corners, scales_h, scales_w), zeros)
+        return vjp(_acc(grad_output))[0]
+
+    lower(op.default, static_scalars=True, check=_aa_dtype_check)(forward)
+    lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default, static_scalars=True,
+          check=_aa_dtype_check)(backward)
+
+
+def _aa_dtype_check(x, *args, **kwargs):
+    """CPU computes antialiasing weights for float32/float64 only."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        name = "Half" if x.dtype == torch.float16 else "BFloat16"
+        raise NotImplementedError(f'"compute_index_ranges_weights" not implemented for \'{name}\'')
+
+
+_register_upsample_aa(aten._upsample_bilinear2d_aa, "linear")
+_register_upsample_aa(aten._upsample_bicubic2d_aa, "cubic")
+
+
+# ========================================================================================= CTC
+def _lse(*xs):
+    """log(sum(exp(xs))) that is -inf, with a zero gradient, when every term is -inf."""
+    m = functools.reduce(jnp.maximum, xs)
+    finite = jnp.isfinite(m)
+    m0 = jnp.where(finite, m, 0)
+    s = sum(jnp.exp(x - m0) for x in xs)
+    pos = s > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1)) + m0, -jnp.inf)
+
+
+def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
+    """(negative log-likelihood (N,), log_alpha (N, T, 2 S + 1)) by the forward recursion over
+    the blank-extended label sequences; S is the longest target."""
+    lp = _acc(log_probs)
+    T, N, _ = lp.shape
+    S = max(target_lengths, default=0)
+    L = 2 * S + 1
+    tl = np.asarray(target_lengths, np.int64)
+    if targets.ndim == 2:  # padded (N, S')
+        labels = targets[:, :S] if S else jnp.zeros((N, 0), targets.dtype)
+    else:  # concatenated
+        starts = np.concatenate([[0], np.cumsum(tl)[:-1]]).astype(np.int64)
+        idx = np.minimum(starts[:, None] + np.arange(S)[None, :], max(targets.shape[0] - 1, 0))
+        labels = targets[idx] if targets.shape[0] else jnp.zeros((N, S), targets.dtype)
+    s = np.arange(L)
+    real = (s[None, :] % 2 == 1) & ((s[None, :] - 1) // 2 < tl[:, None])  # (N, L) a target symbol
+    lab = jnp.where(real, jnp.take_along_axis(labels, np.clip((s - 1) // 2, 0, max(S - 1, 0))[None, :]
+                                              .repeat(N, 0), axis=1) if S else blank, blank)
+    lab = lab.astype(jnp.int64)
+    alive = s[None, :] <= 2 * tl[:, None]  # states past 2 * target length never matter
+    prev2 = jnp.concatenate([jnp.full((N, 2), -1, jnp.int64), lab[:, :-2]], axis=1)
+    skip = jnp.asarray(real) & (lab != prev2) & (s[None, :] >= 2)
+    lp_ext = jnp.take_along_axis(lp, jnp.broadcast_to(lab[None], (T, N, L)), axis=2)  # (T, N, L)
+    neg_inf = jnp.full((N, 1), -jnp.inf, lp.dtype)
+    la0 = jnp.where(jnp.asarray((s[None, :] < 2) & alive), lp_ext[0], -jnp.inf)
+
+    def step(la, lpt):
+        a1 = jnp.concatenate([neg_inf, la[:, :-1]], axis=1)
+        a2 = jnp.where(skip, jnp.concatenate([neg_inf, neg_inf, la[:, :-2]], axis=1), -jnp.inf)
+        new = jnp.where(jnp.asarray(alive), _lse(la, a1, a2) + lpt, -jnp.inf)
+        return new, new
+
+    _, rest = lax.scan(step, la0, lp_ext[1:])
+    la = jnp.concatenate([la0[None], rest], axis=0)  # (T, N, L)
+    last = np.maximum(np.asarray(input_lengths, np.int64) - 1, 0)
+    final = la[last, np.arange(N)]  # (N, L)
+    l1 = jnp.take_along_axis(final, jnp.asarray(2 * tl)[:, None], axis=1)[:, 0]
+    l2 = jnp.take_along_axis(final, jnp.asarray(np.maximum(2 * tl - 1, 0))[:, None], axis=1)[:, 0]
+    l2 = jnp.where(jnp.asarray(tl > 0), l2, -jnp.inf)
+    return -_lse(l1, l2), jnp.swapaxes(la, 0, 1)
+
+
+@lower(aten._ctc_loss.default)
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """zero_infinity is applied by torch's composite ``ctc_loss`` above this op, as on CPU."""
+    return _ctc_forward(log_probs, targets, list(input_lengths), list(target_lengths), blank)
+
+
+def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha,
+                       blank, zero_infinity=False):
+    """CPU's gradient: (exp(log_probs) - occupancy) * grad, the gradient with respect to the
+    logits under a log_softmax (torch's convention), zero past each input length and, with
+    zero_infinity, for infinite losses. The occupancy is the vjp of the forward recursion."""
+    lp = _acc(log_probs)
+    il, tls = list(input_lengths), list(target_lengths)
+    _, vjp = jax.vjp(lambda x: _ctc_forward(x, targets, il, tls, blank)[0], lp)
+    (dnll,) = vjp(jnp.ones(lp.shape[1], lp.dtype))  # = -occupancy
+    g = _acc(grad).astype(lp.dtype)
+    res = (jnp.exp(lp) + dnll) * g[None, :, None]
+    live = np.arange(lp.shape[0])[:, None] < np.asarray(il, np.int64)[None, :]  # (T, N)
+    res = jnp.where(jnp.asarray(live)[..., None], res, 0)
+    inf = jnp.isinf(_acc(neg_log_likelihood))[None, :, None]
+    if zero_infinity:
+        return jnp.where(inf, 0, res)
+    return jnp.where(inf & jnp.asarray(live)[..., None], jnp.nan, res)  # CPU's exp(-inf + inf)
+
+
+def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
+    """torch has no meta kernel here: the gradient has log_probs' shape and dtype."""
+    return torch.empty_like(log_probs)
+
+
+jax_kernel(aten._ctc_loss_backward.default, _ctc_loss_backward, meta=_ctc_loss_backward_meta)

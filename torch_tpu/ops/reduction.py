@@ -7,12 +7,20 @@ covers every dimension, except for ``all``/``any`` where an empty list reduces n
 
 from __future__ import annotations
 
+import builtins
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from torch_tpu import _dtypes
+from torch_tpu._dispatch import kernel
+from torch_tpu._storage import new_tensor
 from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops.factories import _linspace_values
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _I64 = np.dtype(jnp.int64)
@@ -495,3 +503,329 @@ def mode(self, dim=-1, keepdim=False):
     else:
         val, ind = val[..., 0], ind[..., 0]
     return _restore(val, self), _restore(ind, self)
+
+
+# ----------------------------------------------------------------------------- histograms
+# Hand-written kernels: torch has no meta kernels for the histogram ops, and the data-dependent
+# range checks CPU makes need a host read of the range (CPU reads it too).
+def _hist_dtype_check(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.float64):
+        name = torch.empty(0, dtype=x.dtype).type().removeprefix("torch.").removesuffix("Tensor")
+        raise NotImplementedError(f'"histogramdd" not implemented for \'{name}\'')
+
+
+def _hist_checks(x: torch.Tensor, bins, weight: torch.Tensor | None, range_=None) -> None:
+    """CPU's checks for an (N, D) input and D bin counts (ints) or edge tensors."""
+    _hist_dtype_check(x)
+    if x.dim() < 2:
+        raise RuntimeError("torch.histogramdd: input tensor should have at least 2 dimensions")
+    d = x.shape[-1]
+    if len(bins) != d:
+        raise RuntimeError("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
+    for i, b in enumerate(bins):
+        if isinstance(b, torch.Tensor):
+            if b.dim() != 1:
+                raise RuntimeError(f"torch.histogramdd: bins tensor should have one dimension, but got {b.dim()} "
+                                   f"dimensions in the bins tensor for dimension {i}")
+            if b.numel() < 2:
+                raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {b.numel() - 1} for dimension {i}")
+        elif b <= 0:
+            raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {b} for dimension {i}")
+    if weight is not None:
+        if weight.shape != x.shape[:-1]:
+            raise RuntimeError(
+                "torch.histogramdd: if weight tensor is provided it should have the same shape as the input tensor "
+                f"excluding its innermost dimension, but got input with shape {list(x.shape)} and weight with shape "
+                f"{list(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise RuntimeError(
+                "torch.histogramdd: if weight tensor is provided, input tensor and weight tensor should have the same "
+                f"dtype, but got input({_c_name(x.dtype)}), and weight({_c_name(weight.dtype)})")
+    if range_ is not None:
+        if len(range_) != 2 * d:
+            raise RuntimeError(f"torch.histogramdd: for a {d}-dimensional histogram range should have {2 * d} "
+                               f"elements, but got {len(range_)}")
+        for i in builtins.range(d):
+            _hist_range_check(i, range_[2 * i], range_[2 * i + 1])
+
+
+def _c_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float", torch.float64: "double"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}" if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+
+
+def _hist_range_check(dim: int, lo: float, hi: float) -> None:
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise RuntimeError(f"torch.histogramdd: dimension {dim}'s range [{_fmt(lo)}, {_fmt(hi)}] is not finite")
+    if lo > hi:
+        raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {_fmt(lo)} max {_fmt(hi)} "
+                           f"for dimension {dim}")
+
+
+def _hist_edges(x, bins, range_):
+    """CPU's bin edges: linspace over the range (the data's min and max by default, widened by
+    0.5 each way when they are equal), in the input's dtype."""
+    edges = []
+    for d, b in enumerate(bins):
+        if range_ is not None:
+            lo, hi = jnp.float64(range_[2 * d]), jnp.float64(range_[2 * d + 1])
+        elif x.shape[0] == 0:
+            lo, hi = jnp.float64(0), jnp.float64(1)
+        else:
+            lo, hi = jnp.min(x[:, d]).astype(jnp.float64), jnp.max(x[:, d]).astype(jnp.float64)
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+        edges.append(_linspace_values(lo, hi, b + 1).astype(x.dtype))
+    return edges
+
+
+def _hist_counts(x, edges, weight, density: bool):
+    """Counts (or weights) per bin: an element belongs to bin i when edges[i] <= x < edges[i+1]
+    (the last bin includes its right edge); elements outside the edges, NaNs too, are dropped."""
+    n = x.shape[0]
+    shape = tuple(e.shape[0] - 1 for e in edges)
+    flat = jnp.zeros((n,), jnp.int64)
+    valid = jnp.ones((n,), bool)
+    for d, e in enumerate(edges):
+        xd = x[:, d]
+        valid &= (xd >= e[0]) & (xd <= e[-1])
+        pos = jnp.searchsorted(e, xd, side="right") - 1
+        pos = jnp.clip(pos, 0, shape[d] - 1)
+        flat = flat * shape[d] + pos
+    w = jnp.ones((n,), x.dtype) if weight is None else weight.reshape(n)
+    size = math.prod(shape)
+    hist = jnp.zeros((size,), x.dtype).at[jnp.where(valid, flat, size)].add(w, mode="drop").reshape(shape)
+    if density:
+        hist = hist / jnp.sum(hist)
+        for d, e in enumerate(edges):
+            widths = jnp.diff(e)
+            hist = hist / widths.reshape((1,) * d + (-1,) + (1,) * (len(edges) - d - 1))
+    return hist
+
+
+def _hist_bin_ct(x, weight=None, *, bins, range_, density, edges_only=False, hist_only=False):
+    x = x.reshape(-1, x.shape[-1])
+    edges = _hist_edges(x, bins, range_)
+    if edges_only:
+        return tuple(edges)
+    hist = _hist_counts(x, edges, weight, density)
+    return hist if hist_only else (hist, *edges)
+
+
+def _hist_bin_tensors(x, weight=None, *, density, **edges):
+    """``edges`` come as e0, e1, ... (one runtime input each)."""
+    ordered = [edges[f"e{d}"] for d in builtins.range(len(edges))]
+    return _hist_counts(x.reshape(-1, x.shape[-1]), ordered, weight, density)
+
+
+def _hist_run(fn, static: dict, dynamic: dict, dtypes: list) -> list[torch.Tensor]:
+    from torch_tpu.ops.nn import run_jax  # nn imports this module's neighbours first
+
+    outs = run_jax("aten.histogramdd", fn, static, dynamic, dtypes)
+    return [new_tensor(tuple(o.shape), d, o) for o, d in zip(outs, dtypes)]
+
+
+def _hist_finite(edges: list[torch.Tensor]) -> None:
+    """CPU raises when the data's own range is not finite (a host read of the outer edges)."""
+    ends = torch.stack([torch.stack([e[0], e[-1]]) for e in edges]).cpu().double()
+    for d, (lo, hi) in enumerate(ends.tolist()):
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            _hist_range_check(d, lo, hi)
+
+
+def _histdd_bin_ct(x, bins, range_, weight, density, *, hist_only: bool, edges_only: bool):
+    bins = [int(b) for b in bins]
+    _hist_checks(x, bins, weight, range_)
+    rng = None if range_ is None else tuple(float(r) for r in range_)
+    dyn = {"x": x} if weight is None else {"x": x, "weight": weight}
+    static = {"bins": tuple(bins), "range_": rng, "density": bool(density), "edges_only": edges_only,
+              "hist_only": hist_only}
+    if rng is None and x.numel() and not edges_only:  # check the range first, as CPU does
+        _hist_finite(_hist_run(_hist_bin_ct, {**static, "edges_only": True, "hist_only": False}, {"x": x},
+                               [x.dtype] * len(bins)))
+    if edges_only:
+        out = _hist_run(_hist_bin_ct, static, dyn, [x.dtype] * len(bins))
+        if rng is None and x.numel():
+            _hist_finite(out)
+        return out
+    return _hist_run(_hist_bin_ct, static, dyn, [x.dtype] * (1 if hist_only else 1 + len(bins)))
+
+
+@kernel(aten.histogram.bin_ct)
+def _histogram_bin_ct(self, bins=100, *, range=None, weight=None, density=False):
+    x = self.reshape(-1, 1)
+    w = None if weight is None else weight.reshape(-1)
+    if weight is not None and weight.shape != self.shape:
+        _hist_checks(x, [bins], weight)
+    hist, edges = _histdd_bin_ct(x, [bins], range, w, density, hist_only=False, edges_only=False)
+    return hist, edges
+
+
+@kernel(aten.histogram.bins_tensor)
+def _histogram_bins_tensor(self, bins, *, weight=None, density=False):
+    x = self.reshape(-1, 1)
+    if weight is not None and weight.shape != self.shape:
+        _hist_checks(x, [bins], weight)
+    w = None if weight is None else weight.reshape(-1)
+    return _histdd_from_tensors(x, [bins], w, density), bins.clone()
+
+
+def _histdd_from_tensors(x, bins, weight, density):
+    _hist_checks(x, bins, weight)
+    dyn = {"x": x, **{f"e{d}": b for d, b in enumerate(bins)}}
+    if weight is not None:
+        dyn["weight"] = weight
+    return _hist_run(_hist_bin_tensors, {"density": bool(density)}, dyn, [x.dtype])[0]
+
+
+@kernel(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
+    return _histdd_bin_ct(self, bins, range, weight, density, hist_only=False, edges_only=True)
+
+
+@kernel(aten._histogramdd_from_bin_cts.default)
+def _histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=False):
+    return _histdd_bin_ct(self, bins, range, weight, density, hist_only=True, edges_only=False)[0]
+
+
+@kernel(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
+    return _histdd_from_tensors(self, list(bins), weight, density)
+
+
+# ------------------------------------------------------------------------- segment reduce
+def _segments(data, lengths, offsets, axis: int):
+    """(data with the segment axis first and batch dims flattened: (B, L, rest...), segment ids
+    (B, L), number of segments S, and a function putting (B, S, rest...) back in place).
+    Elements past the last segment get id S (dropped by the segment ops)."""
+    if offsets is None:
+        offsets = jnp.concatenate([jnp.zeros(lengths.shape[:-1] + (1,), lengths.dtype),
+                                   jnp.cumsum(lengths, axis=-1)], axis=-1)
+    nb = offsets.ndim - 1  # leading batch dims, shared by data
+    s = offsets.shape[-1] - 1
+    batch = data.shape[:nb]
+    x = jnp.moveaxis(data, axis, nb)
+    rest = x.shape[nb + 1:]
+    x = x.reshape((-1,) + x.shape[nb:])
+    offs = offsets.reshape(-1, s + 1)
+    pos = jnp.arange(x.shape[1])
+    ids = jax.vmap(lambda o: jnp.searchsorted(o[1:], pos, side="right"))(offs)
+    ids = jnp.where(pos[None, :] < offs[:, -1:], ids, s)
+
+    def restore(y):
+        return jnp.moveaxis(y.reshape(batch + (s,) + rest), nb, axis)
+
+    return x, ids, s, restore
+
+
+def _seg_apply(fn, x, ids, s):
+    return jax.vmap(lambda xb, ib: fn(xb, ib, num_segments=s))(x, ids)
+
+
+def _seg_count(x, ids, s):
+    ones = jnp.ones(x.shape[:2], jnp.int64)
+    c = _seg_apply(jax.ops.segment_sum, ones, ids, s)
+    return c.reshape(c.shape + (1,) * (x.ndim - 2))
+
+
+def _segment_reduce_check(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                          initial=None):
+    """CPU's checks on the lengths' values (a host read, as on CPU)."""
+    if lengths is None or unsafe or lengths.dtype not in (torch.int32, torch.int64):
+        return
+    lens = lengths.cpu()
+    if bool((lens < 0).any()):
+        raise RuntimeError("lengths contains negative value!")
+    size = data.shape[lengths.dim() - 1] if data.dim() >= lengths.dim() else -1
+    if lens.numel() and not bool((lens.sum(-1) == size).all()):
+        raise RuntimeError("segment_reduce(): Expected all rows of lengths along axis to sum to "
+                           "data.size(lengths.dim()-1) when !unsafe.")
+
+
+@lower(aten.segment_reduce, check=_segment_reduce_check)
+def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    """CPU's semantics: ``initial`` joins every segment (mean divides by the segment's length
+    only); empty segments give ``initial``, or 0 (sum), 1 (prod), -inf (max), inf (min), nan (mean)."""
+    x, ids, s, restore = _segments(_acc(data) if data.dtype in _LOW else data, lengths, offsets, axis)
+    init = None if initial is None else jnp.asarray(initial).astype(x.dtype)
+    cnt = _seg_count(x, ids, s)
+    if reduce in ("sum", "mean"):
+        out = _seg_apply(jax.ops.segment_sum, x, ids, s)
+        if init is not None:
+            out = out + init
+        if reduce == "mean":
+            mean = out / cnt.astype(x.dtype)
+            out = jnp.where(cnt == 0, jnp.nan if init is None else init, mean)
+    elif reduce == "prod":
+        out = _seg_apply(jax.ops.segment_prod, x, ids, s)
+        out = out if init is None else out * init
+    else:
+        fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+        out = _seg_apply(fn, x, ids, s)
+        inf = jnp.asarray(-jnp.inf if reduce == "max" else jnp.inf, x.dtype)
+        out = jnp.where(cnt == 0, inf, out)
+        if init is not None:
+            out = jnp.maximum(out, init) if reduce == "max" else jnp.minimum(out, init)
+    return restore(out)
+
+
+@lower(aten._segment_reduce_backward)
+def _segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0, initial=None):
+    """CPU's gradients: max/min give the gradient to the elements equal to the result (split
+    among ties when it is positive, as CPU's kernel does); prod divides the result by the element
+    (the product of the others where the element is zero)."""
+    dt = _acc(data).dtype
+    x, ids, s, _ = _segments(data.astype(dt), lengths, offsets, axis)
+    g, _, _, _ = _segments(grad.astype(dt), _seg_lengths_like(lengths, offsets), None, axis)
+    out, _, _, _ = _segments(output.astype(dt), _seg_lengths_like(lengths, offsets), None, axis)
+
+    def per_elem(y):  # (B, S, rest...) -> (B, L, rest...), zero for unsegmented elements
+        take = jax.vmap(lambda yb, ib: jnp.take(yb, jnp.minimum(ib, s - 1), axis=0))(y, ids)
+        inside = (ids < s).reshape(ids.shape + (1,) * (y.ndim - 2))
+        return jnp.where(inside, take, 0)
+
+    ge, oe = per_elem(g), per_elem(out)
+    if reduce == "sum":
+        res = ge
+    elif reduce == "mean":
+        res = ge / jnp.maximum(per_elem(_seg_count(x, ids, s)), 1).astype(dt)
+    elif reduce in ("max", "min"):
+        hit = (x == oe) | jnp.isnan(x)
+        ties = per_elem(_seg_apply(jax.ops.segment_sum, hit.astype(dt), ids, s))
+        res = jnp.where(hit, ge, 0)
+        res = jnp.where(res > 0, res / jnp.where(ties == 0, 1, ties), res)  # CPU splits positive ones only
+    else:  # prod
+        zero = x == 0
+        nz_prod = _seg_apply(jax.ops.segment_prod, jnp.where(zero, 1, x), ids, s)
+        if initial is not None:
+            nz_prod = nz_prod * jnp.asarray(initial).astype(dt)
+        zeros = _seg_apply(jax.ops.segment_sum, zero.astype(jnp.int64), ids, s)
+        others = jnp.where(per_elem(zeros) == 1, per_elem(nz_prod), 0)
+        res = ge * jnp.where(zero, others, oe / jnp.where(zero, 1, x))
+    nb = (lengths if lengths is not None else offsets).ndim - 1
+    res = res.reshape(data.shape[:nb] + res.shape[1:])
+    return jnp.moveaxis(res, nb, axis)
+
+
+def _seg_lengths_like(lengths, offsets):
+    """Lengths giving one element per segment: to put a (.., S, ..) tensor in the (B, L) layout."""
+    ref = lengths if lengths is not None else offsets[..., 1:]
+    return jnp.ones(ref.shape, jnp.int64)
+
+
+# ---------------------------------------------------------------------------- hash_tensor
+@lower(aten.hash_tensor)
+def hash_tensor(self, dim=(), keepdim=False, mode=0):
+    """mode 0, CPU's only one: the xor of the elements' bits, each element widened to float64
+    (floats) or int64 (integers, bools) first, as uint64."""
+    wide = jnp.float64 if jnp.issubdtype(self.dtype, jnp.floating) else jnp.int64
+    bits = lax.bitcast_convert_type(self.astype(wide), jnp.uint64)
+    axes = _axes(list(dim), self.ndim)
+    axes = tuple(range(self.ndim)) if axes is None else axes
+    out = lax.reduce(bits, np.uint64(0), lax.bitwise_xor, axes)
+    if keepdim:
+        out = jnp.expand_dims(out, axes)
+    return out
