@@ -1,4 +1,5 @@
-"""The ``tpu`` c10d backend (gloo host path) with real processes on localhost.
+"""The ``tpu`` c10d backend with real processes on localhost: the XLA-collective path (the default
+when the group is created before the first tpu tensor) and the gloo host path.
 
 Each test starts a small world of spawned processes (TORCH_TPU_PLATFORM=cpu), each under a hard
 timeout; the workers write their results to files that the test then checks. Several checks share
@@ -30,6 +31,9 @@ def _free_port() -> int:
 
 def _entry(rank: int, n: int, port: int, scenario: str, outdir: str, timeout_s: float) -> None:
     os.environ["TORCH_TPU_PLATFORM"] = "cpu"
+    scenario, _, path = scenario.partition(":")  # "name:host" forces the gloo host path
+    if path:
+        os.environ["TORCH_TPU_DIST_PATH"] = path
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
 
@@ -93,7 +97,8 @@ def _collectives(rank: int, n: int, port: int, timeout_s: float) -> dict:
     from torch_tpu.distributed.c10d import TPUProcessGroup
 
     _init(rank, n, port, backend=None)  # no backend: "tpu" is the default for the tpu device
-    r: dict = {"group": type(dist.group.WORLD).__name__, "is_tpu_group": isinstance(dist.group.WORLD, TPUProcessGroup)}
+    r: dict = {"group": type(dist.group.WORLD).__name__, "is_tpu_group": isinstance(dist.group.WORLD, TPUProcessGroup),
+               "path": getattr(dist.group.WORLD, "path", None)}
     x = torch.arange(4.0, device="tpu") + rank
     for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
         y = x.clone()
@@ -192,7 +197,8 @@ def _ddp(rank: int, n: int, port: int, timeout_s: float) -> dict:
     per = BATCH // n
     xs, ys = xs[:, rank * per : (rank + 1) * per], ys[:, rank * per : (rank + 1) * per]
     losses, state = _train(model, xs, ys, "tpu", lambda t: dist.all_reduce(t, op=dist.ReduceOp.AVG))
-    return {"losses": losses, "state": {k.removeprefix("module."): v for k, v in state.items()}}
+    return {"losses": losses, "state": {k.removeprefix("module."): v for k, v in state.items()},
+            "path": dist.group.WORLD.path}
 
 
 def _fault(rank: int, n: int, port: int, timeout_s: float) -> dict:
@@ -218,11 +224,13 @@ _SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault}
 
 
 # ------------------------------------------------------------------------------ tests
-def test_collectives_two_processes(tmp_path):
-    res = _launch("collectives", 2, tmp_path)
+@pytest.mark.parametrize("path", ["xla", "gloo-host"])
+def test_collectives_two_processes(tmp_path, path):
+    res = _launch("collectives" + (":host" if path == "gloo-host" else ""), 2, tmp_path)
     a, b = torch.arange(4.0), torch.arange(4.0) + 1
     for rank, r in res.items():
         assert r["is_tpu_group"], r["group"]
+        assert r["path"] == path, r["path"]
         for op, want in [("SUM", a + b), ("AVG", (a + b) / 2), ("MAX", b), ("MIN", a), ("PRODUCT", a * b)]:
             assert r[op][0] == "tpu"
             torch.testing.assert_close(r[op][1], want)
@@ -251,6 +259,7 @@ def test_ddp_matches_single_process(tmp_path, n):
     xs, ys = _data()
     want_losses, want_state = _train(_model(), xs, ys, "cpu")
     for rank, r in res.items():
+        assert r["path"] == "xla", r["path"]  # DDP's bucket all-reduces are XLA collectives
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want_losses), rtol=1e-4, atol=1e-6)
         assert r["state"].keys() == want_state.keys()
         for k, v in want_state.items():

@@ -18,7 +18,7 @@ if _PLATFORM:
         raise ValueError(f"TORCH_TPU_PLATFORM={_PLATFORM!r}: expected cpu, gpu or tpu")
     jax.config.update("jax_platforms", {"gpu": "cuda"}.get(_PLATFORM, _PLATFORM))
 # Exact int64 and float64, as PyTorch has them. On TPU, 64-bit types are emulated (slower);
-# see docs/precision.md.
+# see docs/numerics.md.
 jax.config.update("jax_enable_x64", True)
 
 from torch_tpu import _device  # noqa: E402

@@ -4,6 +4,8 @@
     python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused|compile [--steps N]
     python -m torch_tpu.bench train --workload gpt --compare
     python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
+    python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
+    python -m torch_tpu.bench ddp [--nproc 1,2,4]
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
@@ -153,6 +155,11 @@ def workloads_batch(workload: str) -> int:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("allreduce", "ddp"):  # multi-process: bench/distributed.py
+        from torch_tpu.bench import distributed
+
+        distributed.main(sys.argv[1:])
+        return
     p = argparse.ArgumentParser(prog="python -m torch_tpu.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dispatch", help="per-op dispatch cost on 64x64 tensors")

@@ -1,11 +1,17 @@
 """The ``tpu`` c10d backend: ``torch.distributed`` process groups for tpu tensors.
 
-This is the documented *fallback path* of the process-group API: each collective copies its tpu
-tensors to host memory, runs the same collective through a gloo process group, and copies the
-results back into the tpu tensors in place. The semantics, the checks and the error messages are
-therefore gloo's own. CPU tensors given to the same group go to gloo untouched, so object
-collectives and barriers cost nothing extra. (The preferred path, XLA collectives through JAX's
-multi-controller runtime, is not implemented yet.)
+Two paths, chosen when the group is created (``group.path``, and ``group.path_reason`` says why):
+
+- ``xla``, preferred: all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter_tensor and
+  all_to_all_single with equal splits run as XLA collectives through JAX's multi-controller runtime
+  (``distributed/xla.py``), asynchronously. Used when the group spans the world and is created
+  before the first tpu tensor.
+- ``gloo-host``, the fallback (and, on the xla path, for everything else: send/recv, gather,
+  scatter, uneven all_to_all, subgroups): each collective copies its tpu tensors to host memory,
+  runs the same collective through a gloo process group, and copies the results back in place.
+
+The semantics, the checks and the error messages are gloo's own. CPU tensors given to the same
+group go to gloo untouched, so object collectives and barriers cost nothing extra.
 
 ``import torch_tpu`` registers the backend (a few microseconds: the group is built on first use)::
 
@@ -31,6 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c
+
+from torch_tpu._storage import read_array, write
+from torch_tpu.distributed import xla
 
 BACKEND = "tpu"
 _HEARTBEAT_S = 0.5  # how often each rank publishes its heartbeat
@@ -97,6 +106,29 @@ class _Work(_c.Work):
         return fut
 
 
+_REDUCE_NAMES = {
+    dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+}
+
+
+def _op_type(op: Any) -> Any:
+    """A ReduceOp (or its RedOpType) as the RedOpType key of :data:`_REDUCE_NAMES`."""
+    for k in _REDUCE_NAMES:
+        if op == k:
+            return k
+    return None
+
+
+def _on_one_device(t: torch.Tensor) -> bool:
+    """A dense tpu tensor whose array lives on this process's one device (not sharded by SPMD)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "tpu" or t.is_sparse:
+        return False
+    a = read_array(t)
+    return len(a.devices()) == 1
+
+
 def _describe(x: Any) -> str:
     return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in _flat(x))
 
@@ -118,6 +150,8 @@ class TPUProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.path_reason = xla.start(store, rank, size)
+        self.path = "xla" if self.path_reason is None else "gloo-host"
         self._seq = 0  # collectives entered so far, published with the heartbeat
         self._check = os.environ.get("TORCH_TPU_DIST_CHECK", "1") != "0"
         self._stop = threading.Event()
@@ -132,7 +166,8 @@ class TPUProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     def __repr__(self) -> str:
-        return f"TPUProcessGroup(rank={self.rank()}, size={self.size()}, path=gloo-host)"
+        why = f" ({self.path_reason})" if self.path_reason else ""
+        return f"TPUProcessGroup(rank={self.rank()}, size={self.size()}, path={self.path}{why})"
 
     # ---- the one runner
     def _run(self, op: str, outs: Any, ins: Any, *rest: Any, inout: bool = False, sig: str | None = None) -> _Work:
@@ -149,6 +184,23 @@ class TPUProcessGroup(dist.ProcessGroup):
         self._finish(op, lambda: gloo_op(*args, *rest).wait())
         stage.copy_back()
         return _Work(_flat(outs))
+
+    def _xla(self, op: str, kind: str, outs: list[torch.Tensor], ins: torch.Tensor, arg: Any = None) -> _Work | None:
+        """Runs ``kind`` as an XLA collective when this group and these tensors allow it: every output
+        is written from this rank's result. None: take the gloo host path."""
+        if self.path != "xla" or not all(_on_one_device(t) for t in (*outs, ins)):
+            return None
+        self._seq += 1
+        if self._check:
+            self._agree(op, _describe(ins))
+        result = xla.run(kind, read_array(ins), arg)
+        with torch.no_grad():
+            if len(outs) == 1:
+                write(outs[0], result.reshape(tuple(outs[0].shape)))
+            else:  # a list of outputs: equal chunks of dim 0
+                for t, part in zip(outs, result.reshape(len(outs), -1)):
+                    write(t, part.reshape(tuple(t.shape)))
+        return _Work(list(outs))
 
     def _agree(self, op: str, sig: str) -> None:
         """Checks that every rank entered the same collective with matching tensors, and raises a clear
@@ -193,6 +245,11 @@ class TPUProcessGroup(dist.ProcessGroup):
             o = _c.AllreduceOptions()
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
+        name = _REDUCE_NAMES.get(_op_type(opts.reduceOp))
+        if len(tensors) == 1 and name is not None:
+            work = self._xla("allreduce", "allreduce", tensors, tensors[0], name)
+            if work is not None:
+                return work
         return self._run("allreduce", tensors, None, opts, inout=True)
 
     def allreduce_coalesced(self, tensors, opts=None):  # noqa: ANN001, ANN201
@@ -201,15 +258,28 @@ class TPUProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):  # noqa: ANN001, ANN201
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        return self._run("broadcast", tensors, None, opts or _c.BroadcastOptions(), inout=True)
+        opts = opts or _c.BroadcastOptions()
+        if len(tensors) == 1:
+            work = self._xla("broadcast", "broadcast", tensors, tensors[0], opts.rootRank)
+            if work is not None:
+                return work
+        return self._run("broadcast", tensors, None, opts, inout=True)
 
     def reduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
         return self._run("reduce", tensors, None, opts or _c.ReduceOptions(), inout=True)
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        if len(input_tensors) == 1 and len(output_tensors) == 1 and input_tensors[0].dim() > 0:
+            work = self._xla("allgather", "allgather", output_tensors[0], input_tensors[0])
+            if work is not None:
+                return work
         return self._run("allgather", output_tensors, input_tensors, opts or _c.AllgatherOptions())
 
     def all_gather_single(self, output, input, opts=None):  # noqa: ANN001, ANN201, A002
+        if input.dim() > 0:
+            work = self._xla("_allgather_base", "allgather", [output], input)
+            if work is not None:
+                return work
         return self._run("_allgather_base", output, input, opts or _c.AllgatherOptions())
 
     _allgather_base = all_gather_single
@@ -234,7 +304,13 @@ class TPUProcessGroup(dist.ProcessGroup):
         return self._run("reduce_scatter", output_tensors, input_tensors, opts or _c.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: ANN001, ANN201, A002
-        return self._run("_reduce_scatter_base", output, input, opts or _c.ReduceScatterOptions())
+        opts = opts or _c.ReduceScatterOptions()
+        name = _REDUCE_NAMES.get(_op_type(opts.reduceOp))
+        if name in ("sum", "avg") and input.dim() > 0 and input.shape[0] % self.size() == 0:
+            work = self._xla("_reduce_scatter_base", "reduce_scatter", [output], input, name)
+            if work is not None:
+                return work
+        return self._run("_reduce_scatter_base", output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -247,6 +323,10 @@ class TPUProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: ANN001, ANN201, A002
         opts = opts or _c.AllToAllOptions()
+        if not output_split_sizes and not input_split_sizes and input.dim() > 0 and input.shape[0] % self.size() == 0:
+            work = self._xla("alltoall_base", "alltoall", [output], input)
+            if work is not None:
+                return work
         sig = f"{input.dtype}->{output.dtype}"  # the sizes may differ between ranks (uneven splits)
         return self._run("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts, sig=sig)
 

@@ -72,7 +72,7 @@ class Lazy:
 
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIP = (os.path.join(_TORCH_DIR, "torch") + os.sep, _OUR_DIR + os.sep, "<")
+_SKIP = (os.path.join(_TORCH_DIR, "torch") + os.sep, _OUR_DIR + os.sep, "<frozen")  # "<string>" is user code
 
 
 def user_site() -> tuple[str, int] | None:
