@@ -101,3 +101,22 @@ def test_repr_copies_to_host_once():
     assert "device='tpu:0', dtype=torch.int32" in repr(t.int())
     g = t.requires_grad_() * 2
     assert "grad_fn=<MulBackward0>" in repr(g)
+
+
+def test_streams_and_events_like_cuda():
+    """One implicit XLA stream: the CUDA stream API runs (FSDP2-style code), waits are free, and
+    timed events measure the work between them."""
+    s = torch.tpu.Stream(priority=-1)
+    assert torch.tpu.current_stream() == torch.tpu.default_stream() == s
+    x = torch.ones(64, 64, device="tpu")
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    start.record()
+    with torch.tpu.stream(s):
+        y = x @ x
+    s.wait_stream(torch.tpu.current_stream())
+    end = s.record_event(end)
+    torch.tpu.current_stream().wait_event(end)
+    assert end.query() and start.elapsed_time(end) >= 0
+    torch.testing.assert_close(y.cpu(), torch.full((64, 64), 64.0))
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        torch.tpu.Event().elapsed_time(end)

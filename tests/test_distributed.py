@@ -220,7 +220,33 @@ def _fault(rank: int, n: int, port: int, timeout_s: float) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
 
 
-_SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault}
+def _dtensor(rank: int, n: int, port: int, timeout_s: float) -> dict:
+    """DeviceMesh("tpu") and DTensor placements; FSDP2 must fail with a clear NotImplementedError."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    _init(rank, n, port)
+    mesh = init_device_mesh("tpu", (n,))
+    full = torch.arange(24.0).reshape(4, 6)
+    rows = distribute_tensor(full.to("tpu"), mesh, [Shard(0)])
+    r: dict = {"mesh": (mesh.device_type, tuple(mesh.shape)), "rows": rows.to_local().cpu()}
+    cols = rows.redistribute(mesh, [Shard(1)])
+    r["cols"] = cols.to_local().cpu()
+    r["replicated"] = cols.redistribute(mesh, [Replicate()]).to_local().cpu()
+    r["matmul"] = (rows @ distribute_tensor(torch.ones(6, 2, device="tpu"), mesh, [Replicate()])).full_tensor().cpu()
+    r["sum"] = (rows * 2).sum().full_tensor().cpu()
+    model = torch.nn.Linear(4, 2).to("tpu")
+    fully_shard(model, mesh=mesh)
+    try:
+        model(torch.ones(3, 4, device="tpu"))
+        r["fsdp2"] = None
+    except NotImplementedError as e:
+        r["fsdp2"] = str(e)
+    return r
+
+
+_SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault, "dtensor": _dtensor}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -264,6 +290,19 @@ def test_ddp_matches_single_process(tmp_path, n):
         assert r["state"].keys() == want_state.keys()
         for k, v in want_state.items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+
+
+def test_device_mesh_and_dtensor_placements(tmp_path):
+    res = _launch("dtensor", 2, tmp_path)
+    full = torch.arange(24.0).reshape(4, 6)
+    for rank, r in res.items():
+        assert r["mesh"] == ("tpu", (2,))
+        torch.testing.assert_close(r["rows"], full[rank * 2 : rank * 2 + 2])
+        torch.testing.assert_close(r["cols"], full[:, rank * 3 : rank * 3 + 3])
+        torch.testing.assert_close(r["replicated"], full)
+        torch.testing.assert_close(r["matmul"], full @ torch.ones(6, 2))
+        torch.testing.assert_close(r["sum"], full.sum() * 2)
+        assert "resizePrivateUse1Bytes" in r["fsdp2"] and "fully_shard" in r["fsdp2"], r["fsdp2"]
 
 
 def test_dead_and_hung_ranks_fail_fast_naming_them(tmp_path):

@@ -190,6 +190,9 @@ def is_bf16_supported() -> bool:
     return True
 
 
+from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
+
+
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
         return True

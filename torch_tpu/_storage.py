@@ -326,3 +326,26 @@ def host_values(t: torch.Tensor) -> np.ndarray:
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
     return _dtypes.numpy_to_cpu(to_numpy(t), t.dtype).reshape(t.shape)
+
+
+_resize_bytes = torch.UntypedStorage.resize_
+
+
+def _resize_storage(self: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_``, with a clear error for tpu storages.
+
+    Resizing a storage in place goes through ``resizePrivateUse1Bytes``, a C++ hook that PyTorch's
+    Python backend API does not expose; PyTorch's own message only says to register it. FSDP2
+    (``fully_shard``) is the usual caller: it frees and re-allocates unsharded parameters this way.
+    """
+    if self.device.type == "tpu":
+        raise NotImplementedError(
+            f"UntypedStorage.resize_({size}) on tpu: resizing a storage in place needs PyTorch's C++ "
+            "PrivateUse1 hook resizePrivateUse1Bytes, which its Python backend API cannot provide. FSDP2 "
+            "(fully_shard) resizes parameter storages this way; shard parameters with "
+            "torch_tpu.distributed.shard or TPUEstimator(sharding='fsdp') instead."
+        )
+    return _resize_bytes(self, size)
+
+
+torch.UntypedStorage.resize_ = _resize_storage

@@ -150,6 +150,9 @@ class TPUProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # c10d keeps a group's name on its backends: with gloo registered for CPU tensors the group
+        # gets one (DeviceMesh and functional collectives look groups up by name)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self.path_reason = xla.start(store, rank, size)
         self.path = "xla" if self.path_reason is None else "gloo-host"
         self._seq = 0  # collectives entered so far, published with the heartbeat
@@ -295,10 +298,14 @@ class TPUProcessGroup(dist.ProcessGroup):
         return self._run("allgather_coalesced", output_lists, input_list, opts or _c.AllgatherOptions())
 
     def gather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
-        return self._run("gather", output_tensors, input_tensors, opts or _c.GatherOptions())
+        # only the root passes outputs: the ranks agree on their inputs
+        return self._run("gather", output_tensors, input_tensors, opts or _c.GatherOptions(),
+                         sig=_describe(input_tensors))
 
     def scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
-        return self._run("scatter", output_tensors, input_tensors, opts or _c.ScatterOptions())
+        # only the root passes inputs: the ranks agree on their outputs
+        return self._run("scatter", output_tensors, input_tensors, opts or _c.ScatterOptions(),
+                         sig=_describe(output_tensors))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
         return self._run("reduce_scatter", output_tensors, input_tensors, opts or _c.ReduceScatterOptions())
