@@ -315,3 +315,43 @@ def test_dead_and_hung_ranks_fail_fast_naming_them(tmp_path):
     assert "[1] never reached" in err, err
     assert res[0]["seconds"] < 10, res[0]
     assert time.monotonic() - t0 < 40
+
+
+_TORCHRUN_SCRIPT = r"""
+import os, torch, torch.distributed as dist
+import torch_tpu
+dist.init_process_group("tpu")
+rank, world = dist.get_rank(), dist.get_world_size()
+x = torch.full((4,), float(rank + 1), device="tpu")
+dist.all_reduce(x)
+print(f"rank {rank}/{world} node {os.environ['GROUP_RANK']} path {dist.group.WORLD.path} sum {x.cpu().tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def test_multi_node_torchrun_on_localhost(tmp_path):
+    """Two torchrun "nodes" (one process each) meeting through a c10d rendezvous endpoint, as a
+    multi-host job does; the process group takes the XLA-collective path across them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    port = _free_port()
+    env = {**os.environ, "TORCH_TPU_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test", str(script)]
+    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("rank "))
+    assert all(p.returncode == 0 for p in nodes), [err[-2000:] for _, err in outs]
+    assert len(lines) == 2, outs
+    nodes_seen = {line.split()[3] for line in lines}
+    assert nodes_seen == {"0", "1"}, lines
+    for line in lines:
+        assert "/2 " in line and "path xla" in line and "sum [3.0, 3.0, 3.0, 3.0]" in line, line
