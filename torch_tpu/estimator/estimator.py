@@ -661,7 +661,9 @@ class TPUEstimator:
                         samples += rows
                         entry = {"step": run.step, "epoch": epoch, "batch": group[-1].index, "lr": lr}
                         run.pending.append((entry, value))
-                        while len(run.pending) > 1:  # the host waits on step N-1 while step N runs
+                        # the host reads step N-2's loss while N-1 and N are queued: the device never
+                        # waits for Python between steps (a NaN still stops training two steps later)
+                        while len(run.pending) > _STEPS_IN_FLIGHT:
                             finish(*run.pending.pop(0))
                         c1 = self._compile_counters()
                         if c1[0] > c0[0]:
@@ -878,6 +880,9 @@ class _Run:
     epoch_rng: Any = None
     interrupted: bool = False
     pending: list = field(default_factory=list)
+
+
+_STEPS_IN_FLIGHT = 2
 
 
 def _unmaskable_loss(model: nn.Module, out: Any, b: Batch, loss_fn: Callable | None) -> Any:
