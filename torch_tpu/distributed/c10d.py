@@ -155,6 +155,7 @@ class TPUProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self.path_reason = xla.start(store, rank, size)
         self.path = "xla" if self.path_reason is None else "gloo-host"
+        self._failed = False
         self._seq = 0  # collectives entered so far, published with the heartbeat
         self._check = os.environ.get("TORCH_TPU_DIST_CHECK", "1") != "0"
         self._stop = threading.Event()
@@ -235,6 +236,7 @@ class TPUProcessGroup(dist.ProcessGroup):
             if not any(k in str(e).lower() for k in ("timed out", "timeout", "connection", "closed", "peer")):
                 raise  # an argument error (shape, dtype, layout): gloo's message as it is
             seq = self._seq
+            self._failed = True  # a rank is gone: leaving JAX's runtime would wait for it
             raise dist.DistBackendError(
                 f"torch_tpu c10d ({BACKEND} backend, gloo host path): {op} #{seq} failed on rank {self.rank()} "
                 f"of {self.size()} (timeout {self._timeout}). {self._diagnose(seq)} Gloo said: {e}"
@@ -380,9 +382,13 @@ class TPUProcessGroup(dist.ProcessGroup):
     # ---- lifetime
     def shutdown(self) -> None:
         self._stop.set()
+        if self.path == "xla" and not self._failed:
+            xla.stop()  # every rank is here (destroy_process_group): end JAX's runtime in step
+        self._gloo.shutdown()  # its threads end now, not when the interpreter tears the object down
 
     def abort(self) -> None:
         self._stop.set()
+        self._gloo.abort()
 
     # ---- fault diagnosis
     def _beat(self) -> None:

@@ -126,5 +126,16 @@ def run(kind: str, local: Any, arg: Any = None) -> Any:
     return out.addressable_shards[0].data[0]
 
 
+def stop() -> None:
+    """Leaves JAX's multi-controller runtime (with the other ranks, which stop at the same time).
+    Collectives created afterwards take the host path: JAX's runtime cannot start twice."""
+    import jax
+
+    if _state["mesh"] is not None:
+        _state["mesh"] = None
+        _program.cache_clear()
+        jax.distributed.shutdown()
+
+
 def active() -> bool:
     return _state["mesh"] is not None

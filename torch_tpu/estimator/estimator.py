@@ -467,7 +467,10 @@ class TPUEstimator:
             k = len(micro)
             total = None
             if loss_fn is None and all(b.target is not None for b in micro):
-                total = torch.clamp(sum(_row_weights(b.target, b.mask).sum() for b in micro), min=1.0)
+                total = _row_weights(micro[0].target, micro[0].mask).sum()
+                for b in micro[1:]:
+                    total = total + _row_weights(b.target, b.mask).sum()
+                total = total.clamp(min=1.0)
             report = None
             for b in micro:
                 loss, masked = self._micro_loss(model, b, loss_fn, total)
@@ -477,22 +480,38 @@ class TPUEstimator:
                 report = loss.detach() if report is None else report + loss.detach()
             return report.float()
 
-        def step(micro: list[Batch]) -> torch.Tensor:
-            report = forward_backward(micro)
+        def finish_step() -> None:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+        def step_many(micro: list[Batch]) -> torch.Tensor:
+            report = forward_backward(micro)
+            finish_step()
             return report
 
-        if self.mode != "compile":
-            return step
-        # Dynamo specialises on a Python-float learning rate and would recompile whenever a
-        # scheduler changes it; as a 0-dim tensor it is a graph input.
-        for g in opt.param_groups:
-            if not isinstance(g["lr"], torch.Tensor):
-                g["lr"] = torch.tensor(float(g["lr"]))
-        return torch.compile(step, backend="tpu")
+        def step_one(b: Batch) -> torch.Tensor:
+            # Straight-line code for the usual single micro-batch: Dynamo gives up on a whole
+            # function when a graph break (backward) falls inside a loop, so this path has none.
+            total = None
+            if loss_fn is None and b.target is not None:
+                total = _row_weights(b.target, b.mask).sum().clamp(min=1.0)
+            loss, _ = self._micro_loss(model, b, loss_fn, total)
+            report = loss.detach().float()  # before the graph break, so in the forward's graph
+            loss.backward()
+            finish_step()
+            return report
+
+        if self.mode == "compile":
+            # Dynamo specialises on a Python-float learning rate and would recompile whenever a
+            # scheduler changes it; as a 0-dim tensor it is a graph input.
+            for g in opt.param_groups:
+                if not isinstance(g["lr"], torch.Tensor):
+                    g["lr"] = torch.tensor(float(g["lr"]))
+            step_one = torch.compile(step_one, backend="tpu")
+            step_many = torch.compile(step_many, backend="tpu")
+        return lambda micro: step_one(micro[0]) if len(micro) == 1 else step_many(micro)
 
     # ------------------------------------------------------------------ fit
     def fit(
