@@ -104,7 +104,8 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
 
 
 def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 3) -> dict:
-    """Samples/s of ``fit`` over the ``3 * steps`` steps that follow ``warmup`` steps."""
+    """Samples/s of ``fit`` over the ``3 * steps`` steps that follow ``warmup`` steps, then
+    ``predict`` over the same loader (its second pass: samples/s and milliseconds per batch)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from torch_tpu.bench import workloads
@@ -122,7 +123,13 @@ def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 
     timed = history.steps[warmup:]
     seconds = sum(x.shape[0] / s["samples_per_s"] for s in timed)
     samples = len(timed) * x.shape[0] / seconds
-    return {"workload": workload, "mode": mode, "devices": devices, "fit_samples_per_s": round(samples, 2),
+    est.predict(model, loader)  # compiles the inference program
+    t0 = time.perf_counter()
+    est.predict(model, loader)
+    seconds = time.perf_counter() - t0
+    predict = {"predict_samples_per_s": round(len(loader.dataset) / seconds, 1),
+               "predict_ms_per_batch": round(seconds / len(loader) * 1e3, 2)}
+    return {**predict, "workload": workload, "mode": mode, "devices": devices, "fit_samples_per_s": round(samples, 2),
             "programs_compiled": history.programs_compiled, "final_loss": round(history.loss[-1], 5),
             "platform": torch_tpu.platform()}
 
