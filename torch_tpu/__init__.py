@@ -47,7 +47,7 @@ from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
-_fused.install_step_boundary()
+_fused.step_boundary(get_eager_mode() is EagerMode.FUSED)
 
 
 def _c10d_group(store, rank: int, size: int, timeout):  # noqa: ANN001, ANN202

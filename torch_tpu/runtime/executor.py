@@ -80,6 +80,7 @@ def set_eager_mode(mode: EagerMode | str) -> _ModeSetter:
     previous = _mode
     fused.flush()
     _mode = mode
+    fused.step_boundary(mode is EagerMode.FUSED)
     return _ModeSetter(previous)
 
 

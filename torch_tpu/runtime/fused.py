@@ -166,10 +166,18 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         flush(reason="optimizer step")
 
 
-def install_step_boundary() -> None:
+_hook: list[Any] = []  # the handle of the registered optimizer post-hook, while fused mode is on
+
+
+def step_boundary(on: bool) -> None:
+    """Registers the optimizer post-hook that ends a fused step, only while fused mode is on: inside
+    a compiled optimizer step (another mode) a call into torch_tpu would break Dynamo's graph."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(_after_optimizer_step)
+    if on and not _hook:
+        _hook.append(register_optimizer_step_post_hook(_after_optimizer_step))
+    elif not on and _hook:
+        _hook.pop().remove()
 
 
 def pending_count() -> int:
