@@ -12,6 +12,7 @@ that Dynamo passes as integer inputs are compile-time constants.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,15 @@ def _is_random(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target in LOWERINGS and LOWERINGS[target].random
 
 
+def _value(env: dict, a: Any) -> Any:
+    """A node argument with every graph node replaced by its value in ``env`` (lists kept)."""
+    if isinstance(a, torch.fx.Node):
+        return env[a]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_value(env, x) for x in a)
+    return a
+
+
 def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     """``copy_(input, value)`` nodes: input mutations AOTAutograd left in the graph.
 
@@ -86,13 +96,7 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tupl
         env: dict[torch.fx.Node, Any] = {}
         it = iter(inputs)
         rng_it = iter(rng)
-
-        def val(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node):
-                return env[a]
-            if isinstance(a, (list, tuple)):
-                return type(a)(val(x) for x in a)
-            return a
+        val = functools.partial(_value, env)
 
         for n in nodes:
             if n.op == "placeholder":
@@ -180,13 +184,7 @@ def _run_host(gm: torch.fx.GraphModule, host: list[torch.fx.Node], outs: dict[in
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, a in zip(placeholders, args):
         env[n] = a
-
-    def val(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return env[a]
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(x) for x in a)
-        return a
+    val = functools.partial(_value, env)
 
     for n in host:
         env[n] = n.target(*val(n.args), **{k: val(v) for k, v in n.kwargs.items()})
