@@ -76,3 +76,18 @@ def test_env_selects_mode():
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "TORCH_TPU_PLATFORM": "cpu"},
                              capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_reset_metrics_clears_the_report_and_cache_counters():
+    w = torch.randn(8, 4, device="tpu")
+    with torch_tpu.set_eager_mode("fused"):
+        for n in (16, 5, 7):  # a new input shape each time: recompilations at one site
+            (torch.ones(n, 8).to("tpu") @ w).sum().item()
+    assert torch_tpu.cache_stats()["misses"] >= 3
+    assert "recompil" in torch_tpu.metrics_report()
+    torch_tpu.reset_metrics()
+    stats = torch_tpu.cache_stats()
+    assert stats["requests"] == stats["misses"] == 0
+    assert all(e["hits"] == 0 for e in stats["entries"])  # compiled entries stay
+    assert stats["entries"]
+    assert "recompil" not in torch_tpu.metrics_report()

@@ -26,9 +26,13 @@ def count_compile(name: str, seconds: float) -> None:
 
 
 def reset() -> None:
-    """Clears every counter (the compiled programs themselves stay cached)."""
+    """Clears every counter that ``metrics()``, ``metrics_report()`` and ``cache_stats()`` show,
+    the recompilation log included (the compiled programs themselves stay cached)."""
+    from torch_tpu.runtime import cache
+
     for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes):
         c.clear()
+    cache.reset_stats()
 
 
 def metrics() -> dict[str, Any]:
