@@ -125,6 +125,58 @@ def test_compiled_whole_training_step(capturable):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
 
 
+def test_compiled_step_runs_as_one_program_per_step():
+    # The forward, backward and optimizer graphs of a step are deferred and run together when the
+    # next step's forward starts (or a host read needs them): one cached program per step.
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    oc = torch.optim.SGD(mc.parameters(), lr=0.1)
+    ot = torch.optim.SGD(mt.parameters(), lr=0.1)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    xt, yt = x.to("tpu"), y.to("tpu")
+
+    def step(m, o, x, y):
+        o.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss
+
+    cstep = torch.compile(step, backend="tpu")
+
+    def rounds():  # 4 steps keeping their losses, then one read; the outputs kept alive are the same each round
+        losses = []
+        for _ in range(4):
+            losses.append(cstep(mt, ot, xt, yt))
+            lc = step(mc, oc, x, y)
+        torch.testing.assert_close(losses[-1].detach().cpu(), lc.detach(), rtol=RTOL, atol=ATOL)
+
+    for _ in range(2):  # warm-up: the first compile, then once more for the outputs a read keeps
+        rounds()
+    before = torch_tpu.cache_stats()
+    rounds()
+    after = torch_tpu.cache_stats()
+    assert after["misses"] == before["misses"]
+    assert after["hits"] - before["hits"] == 4
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_reading_between_compiled_graphs():
+    # A host read or an eager op on a deferred output runs the pending graphs first.
+    mc = mlp()
+    mt = torch.compile(copy.deepcopy(mc).to("tpu"), backend="tpu")
+    x = torch.randn(5, 8)
+    out_t = mt(x.to("tpu"))
+    doubled = out_t * 2  # eager, on a value a compiled graph has not produced yet
+    assert abs(out_t.sum().item() - mc(x).sum().item()) < 1e-4
+    out_t.sum().backward()
+    mc(x).sum().backward()
+    torch.testing.assert_close(doubled.detach().cpu(), 2 * mc(x).detach(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_dynamic_shapes_compile_once_per_size():
     f = torch.compile(lambda x: (x * 2).sum(0), backend="tpu", dynamic=False)
     def compiles():  # per-op programs in strict mode, fused traces in fused mode

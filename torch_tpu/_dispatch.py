@@ -45,6 +45,11 @@ class _View(tuple):
     program, so a transposed or sliced input costs no separate device call."""
 
 
+class _Empty(tuple):
+    """Signature of a whole uninitialised storage (``empty`` before ``fill_``): (shape, dtype).
+    Its zeros are made inside the op's program, not by a program of their own."""
+
+
 class _Scalar(tuple):
     """Signature of a runtime Python number or CPU 0-dim tensor: (python type or dtype,)."""
 
@@ -70,6 +75,8 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             dtype = a.dtype
             if dtype is st._dtype:
                 if size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
+                    if st._jx is None:
+                        return _Empty((size, dtype))
                     dyn.append(base_array(st))  # the whole base: no read at all
                     return _Tensor((size, dtype))
                 dyn.append(base_array(st))
@@ -94,6 +101,8 @@ def _rebuild(s: Any, it) -> Any:
     t = type(s)
     if t is _Tensor or t is _Scalar:
         return next(it)
+    if t is _Empty:
+        return jnp.zeros(s[0], _dtypes.to_jax(s[1]))
     if t is _View:
         return read_view(s[2], s[0], s[3], s[4], s[1], next(it))
     if t is tuple:
@@ -238,7 +247,7 @@ def _named(e: Exception, where: str) -> Exception:
 
 
 def _describe(s: Any) -> str:
-    if type(s) is _Tensor or type(s) is _View:
+    if type(s) is _Tensor or type(s) is _View or type(s) is _Empty:
         return f"{str(s[1]).removeprefix('torch.')}{list(s[0])}"
     if type(s) is _Scalar:
         return getattr(s[0], "__name__", str(s[0]))

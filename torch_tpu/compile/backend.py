@@ -2,8 +2,13 @@
 
 Dynamo captures a graph; AOTAutograd splits it into functional forward and backward ATen graphs,
 decomposed to core ATen. Each graph is lowered node by node through :data:`LOWERINGS` (the same
-table eager mode uses) into one jax function, which becomes one :class:`Program`: in strict mode
-it runs as one XLA executable, and in fused mode it is recorded as one node of the trace.
+table eager mode uses) into one jax function, which becomes one :class:`Program`.
+
+Graphs are deferred, in strict mode as in fused mode: each is recorded as one node of the pending
+trace (:mod:`torch_tpu.runtime.fused`). When a graph already in the trace is called again (the next
+step's forward), or a host read or an eager op needs a pending value, the trace runs as one XLA
+program. A training step's forward, backward and optimizer graphs thus become one program, with
+no intermediate copied out between them. Debug mode runs each graph at once.
 
 Dynamic shapes: a graph is compiled once per distinct set of input shapes (``jax.jit`` retraces),
 and each new shape is counted in ``torch_tpu.metrics()`` under ``compile_count``. Symbolic sizes
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +32,8 @@ from torch_tpu import _dtypes, _rng
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
-from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.runtime import executor, fused, metrics
+from torch_tpu.runtime.executor import Program, deferred, execute
 
 _PYTHON_OPS: dict[Callable, Callable] = {
     operator.getitem: operator.getitem,
@@ -199,8 +206,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     run_host = bool(host_outs or host_mutations)
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
+    graph_id = id(cache)
 
     def run(args: list) -> list:
+        with deferred():
+            return _run(args)
+
+    def _run(args: list) -> list:
         arrays, key = [], []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -218,6 +230,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
                 key.append((tuple(a.shape), a.dtype))
             else:
                 key.append(a)
+        if executor.recording():
+            fused.begin_graph(graph_id, arrays)
         # after the inputs are read: the host part updates CPU inputs in place
         host_results = _run_host(gm, host_nodes, host_outs, args) if run_host else {}
         targets = [args[i] for i in mutated]
@@ -234,8 +248,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
             program = cache[tuple(key)] = Program(f"{name} {[k for k in key if isinstance(k, tuple)]}", body,
                                                   multi=True)
+            new = executor.recording()  # debug mode counts the program's own compile when it runs
+        else:
+            new = False
         rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
+        t0 = time.perf_counter()
         outs = execute(program, *rng, *arrays)
+        if new:  # recorded: lowered and shape-checked now, compiled by XLA with the step's program
+            metrics.count_compile(program.name, time.perf_counter() - t0)
         for t, v in zip(targets, outs[len(out_metas):]):
             write(t, v)
         results = []

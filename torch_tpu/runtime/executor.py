@@ -103,6 +103,21 @@ _outer: list[EagerMode] = []
 
 
 @contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Records the body's programs into the pending trace in strict mode too (debug mode still runs
+    them at once): for compiled graphs, so that a step's forward, backward and optimizer graphs
+    become one XLA program. Whatever reads a pending value outside runs the trace first."""
+    global _mode
+    previous = _mode
+    if previous is EagerMode.STRICT:
+        _mode = EagerMode.FUSED
+    try:
+        yield
+    finally:
+        _mode = previous
+
+
+@contextlib.contextmanager
 def outer_mode() -> Iterator[None]:
     """Inside an :func:`eager_section`, runs the body in the mode the section interrupted: for a
     check that would rather record its program with the step than run it on the spot."""

@@ -30,6 +30,7 @@ from torch_tpu.runtime import cache
 _lock = threading.RLock()  # autograd records backward ops from its own thread
 _pending: list[Node] = []
 _live: weakref.WeakSet[Lazy] = weakref.WeakSet()
+_graphs: set[int] = set()  # the compiled graphs (by id) recorded in the pending trace
 MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
 
 
@@ -65,6 +66,7 @@ class Lazy:
         self.error: Exception | None = None
         self.shape = tuple(aval.shape)
         self.dtype = aval.dtype
+
 
     def __repr__(self) -> str:
         return f"Lazy({self.dtype}{list(self.shape)}, {'ready' if self.value is not None else 'pending'})"
@@ -180,6 +182,20 @@ def step_boundary(on: bool) -> None:
         _hook.pop().remove()
 
 
+def begin_graph(graph: int, inputs: list) -> None:
+    """Called before a compiled graph records, with its inputs. The pending trace runs first when
+    the graph is already in it (the forward of step n+1 after step n's optimizer), so each step is
+    the same program and the device runs it while Python starts the next; and when the graph reads
+    nothing pending, so that unrelated calls (inference on varying shapes) never share a program."""
+    with _lock:
+        if _pending:
+            if graph in _graphs:
+                flush(reason="compiled graph repeats")
+            elif not any(type(x) is Lazy and x.value is None for x in inputs):
+                flush(reason="independent compiled graph")
+        _graphs.add(graph)
+
+
 def pending_count() -> int:
     return len(_pending)
 
@@ -222,6 +238,7 @@ def flush(reason: str = "sync") -> None:
             return
         nodes = list(_pending)
         _pending.clear()
+        _graphs.clear()
         live = [r for r in list(_live) if r.value is None]
         _live.clear()
         position = {id(n): i for i, n in enumerate(nodes)}
