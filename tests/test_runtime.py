@@ -91,3 +91,13 @@ def test_reset_metrics_clears_the_report_and_cache_counters():
     assert all(e["hits"] == 0 for e in stats["entries"])  # compiled entries stay
     assert stats["entries"]
     assert "recompil" not in torch_tpu.metrics_report()
+
+
+def test_op_on_uninitialised_storage_after_same_signature():
+    # An unset storage (torch.empty) is zeros made inside the op's program; its signature must not
+    # match a set tensor's, or the cached program would wait for an input that never comes.
+    x = torch.ones(3, device="tpu")
+    torch.testing.assert_close((x * x).cpu(), torch.ones(3))
+    e = torch.empty(3, device="tpu")
+    assert (e * x).shape == (3,)
+    torch.testing.assert_close(torch.empty(3, device="tpu").fill_(2.0).cpu(), torch.full((3,), 2.0))

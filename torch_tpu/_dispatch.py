@@ -46,7 +46,7 @@ class _View(tuple):
 
 
 class _Empty(tuple):
-    """Signature of a whole uninitialised storage (``empty`` before ``fill_``): (shape, dtype).
+    """Signature of a whole uninitialised storage (``empty`` before ``fill_``): (shape, dtype, None).
     Its zeros are made inside the op's program, not by a program of their own."""
 
 
@@ -76,7 +76,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             if dtype is st._dtype:
                 if size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
                     if st._jx is None:
-                        return _Empty((size, dtype))
+                        return _Empty((size, dtype, None))  # not equal to _Tensor((size, dtype)) as a key
                     dyn.append(base_array(st))  # the whole base: no read at all
                     return _Tensor((size, dtype))
                 dyn.append(base_array(st))
