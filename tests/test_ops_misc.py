@@ -519,3 +519,33 @@ def test_ldl_factor_and_solve_match_cpu_pivots():
         _, piv, info = torch.linalg.ldl_factor_ex(tpu(singular))
         _, pivc, infoc = torch.linalg.ldl_factor_ex(singular)
         assert torch.equal(piv.cpu(), pivc) and torch.equal(info.cpu(), infoc)
+
+
+def test_out_overloads_of_kernel_ops_match_cpu_without_fallback():
+    # geqrf, lstsq and histogram are hand-written kernels; their out= overloads run the kernel and
+    # copy into (resized) out tensors, like CPU, instead of falling back.
+    torch.manual_seed(0)
+    a, b, x = torch.randn(5, 3), torch.randn(5, 2), torch.randn(100)
+
+    def outs(dev, *dtypes):
+        return tuple(torch.empty(0, dtype=d, device=dev) for d in dtypes)
+
+    with _NoFallback():
+        for dev in ("cpu", "tpu"):
+            got = {
+                "geqrf": torch.geqrf(tpu(a) if dev == "tpu" else a, out=outs(dev, torch.float32, torch.float32)),
+                "lstsq": torch.linalg.lstsq(
+                    tpu(a) if dev == "tpu" else a, tpu(b) if dev == "tpu" else b, driver="gelsd",
+                    out=outs(dev, torch.float32, torch.float32, torch.int64, torch.float32),
+                ),
+                "histogram": torch.histogram(tpu(x) if dev == "tpu" else x, bins=7,
+                                             out=outs(dev, torch.float32, torch.float32)),
+            }
+            if dev == "cpu":
+                want = got
+        for k in want:
+            for w, g in zip(want[k], got[k]):
+                assert g.device.type == "tpu"
+                torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4, msg=k)
+        with pytest.raises(RuntimeError, match="geqrf"):
+            torch.geqrf(tpu(a), out=outs("tpu", torch.int64, torch.float32))

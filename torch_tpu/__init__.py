@@ -31,6 +31,7 @@ _module_move.install()
 from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, ops  # noqa: E402,F401
 
 _dispatch.register_lowerings()
+_dispatch.register_out_twins()
 _fallback.register()
 _host.install()
 _autocast.install()

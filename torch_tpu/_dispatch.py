@@ -323,6 +323,58 @@ def _twins(op: torch._ops.OpOverload) -> list[tuple[torch._ops.OpOverload, str]]
     return found
 
 
+def _out_args(op: torch._ops.OpOverload) -> list:
+    return [a for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+
+
+def _out_from_functional(out_op: torch._ops.OpOverload, functional: torch._ops.OpOverload) -> Callable:
+    """The ``out=`` kernel of an op served by a hand-written kernel: the functional op's results,
+    copied into the ``out`` tensors (resized when their shape differs), as torch's out= ops do."""
+    out_names = [a.name for a in _out_args(out_op)]
+    name = str(out_op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outs = [kwargs.pop(n) for n in out_names]
+        result = functional(*args, **kwargs)
+        results = [result] if isinstance(result, torch.Tensor) else list(result)
+        for t, r in zip(outs, results):
+            if not is_tpu(t):
+                raise device_mismatch(name, t.device)
+            if not torch.can_cast(r.dtype, t.dtype):
+                raise RuntimeError(
+                    f"{name}: result type {str(r.dtype).removeprefix('torch.')} can't be cast to the desired "
+                    f"output type {str(t.dtype).removeprefix('torch.')}"
+                )
+            if tuple(t.shape) != tuple(r.shape):
+                set_base(t, tuple(r.shape), t.dtype, None)
+            t.copy_(r)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
+def register_out_twins() -> int:
+    """Registers the ``out=`` overloads whose functional op has a kernel of ours but no lowering
+    (hand-written kernels, ``jax_kernel`` ops): each runs the functional op, then copies."""
+    n = 0
+    served = [op for op, how in REGISTERED.items() if how != "fallback"]
+    for op_name in served:
+        base, _, overload = op_name.removeprefix("aten.").rpartition(".")
+        packet = getattr(aten, base, None)
+        functional = getattr(packet, overload, None) if packet is not None else None
+        if functional is None or is_mutating(functional):
+            continue
+        names = [a.name for a in functional._schema.arguments]
+        for cand in dispatcher_overloads(packet):
+            outs = _out_args(cand)
+            if not outs or str(cand) in REGISTERED or _has_kernel(cand, "CompositeImplicitAutograd"):
+                continue
+            if [a.name for a in cand._schema.arguments if a not in outs] == names:
+                register_kernel(cand, _out_from_functional(cand, functional), "kernel (out= of the functional op)")
+                n += 1
+    return n
+
+
 def register_lowerings() -> int:
     """Registers kernels for every lowering in the table; returns how many."""
     n = 0
