@@ -549,3 +549,19 @@ def test_out_overloads_of_kernel_ops_match_cpu_without_fallback():
                 torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4, msg=k)
         with pytest.raises(RuntimeError, match="geqrf"):
             torch.geqrf(tpu(a), out=outs("tpu", torch.int64, torch.float32))
+
+
+def test_gamma_and_dirichlet_sampling_on_device():
+    # torch.distributions' Gamma, Beta and Dirichlet draw through these two ops
+    torch.manual_seed(0)
+    with _NoFallback():
+        alpha = torch.rand(20000) * 3 + 0.2
+        g = torch._standard_gamma(alpha.to("tpu")).cpu()
+        assert (g > 0).all() and abs(g.mean().item() - alpha.mean().item()) < 0.05
+        d = torch.distributions.Dirichlet(torch.tensor([1.0, 2.0, 3.0], device="tpu")).sample((5000,))
+        assert d.device.type == "tpu"
+        d = d.cpu()
+        torch.testing.assert_close(d.sum(-1), torch.ones(5000))
+        torch.testing.assert_close(d.mean(0), torch.tensor([1.0, 2.0, 3.0]) / 6, atol=0.02, rtol=0)
+        b = torch.distributions.Beta(torch.tensor(2.0, device="tpu"), torch.tensor(3.0, device="tpu")).sample((5000,))
+        assert abs(b.cpu().mean().item() - 0.4) < 0.02

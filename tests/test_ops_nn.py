@@ -327,3 +327,42 @@ def test_no_warnings_from_lowered_ops():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         F.conv2d(torch.randn(1, 1, 4, 4, device="tpu"), torch.randn(1, 1, 2, 2, device="tpu"))
+
+
+@pytest.mark.parametrize("shape,k,o", [((2, 3, 9, 9), (2, 2), (4, 4)), ((3, 10, 7), (3, 2), (5, 3)),
+                                       ((2, 3, 9, 8), (3, 3), (1, 2))])
+def test_fractional_max_pool2d_matches_cpu_with_the_same_samples(shape, k, o):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    samples = torch.rand(shape[0] if len(shape) == 4 else 1, shape[-3], 2)
+    want, want_idx = torch.ops.aten.fractional_max_pool2d(x, k, o, samples)
+    xt = x.detach().to("tpu").requires_grad_()
+    got, got_idx = torch.ops.aten.fractional_max_pool2d(xt, k, o, samples.to("tpu"))
+    torch.testing.assert_close(got.cpu(), want)
+    assert torch.equal(got_idx.cpu(), want_idx)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), x.grad)
+    assert torch_tpu.metrics()["fallback_counts"].get("aten.fractional_max_pool2d.output") is None
+
+
+def test_fractional_max_pool3d_matches_cpu():
+    torch.manual_seed(0)
+    x, samples = torch.randn(2, 3, 7, 8, 9), torch.rand(2, 3, 3)
+    want, want_idx = torch.ops.aten.fractional_max_pool3d(x, (2, 3, 2), (3, 4, 5), samples)
+    got, got_idx = torch.ops.aten.fractional_max_pool3d(x.to("tpu"), (2, 3, 2), (3, 4, 5), samples.to("tpu"))
+    torch.testing.assert_close(got.cpu(), want)
+    assert torch.equal(got_idx.cpu(), want_idx)
+
+
+def test_poisson_on_device():
+    torch.manual_seed(0)
+    rate = torch.rand(4000) * 4
+    rate[:10] = 0
+    counts = torch.poisson(rate.to("tpu")).cpu()
+    assert counts.dtype == torch.float32
+    assert torch.equal(counts, counts.round()) and (counts[:10] == 0).all()
+    assert abs(counts.mean().item() - rate.mean().item()) < 0.1
+    assert torch_tpu.metrics()["fallback_counts"].get("aten.poisson.default") is None
+    with pytest.raises(RuntimeError, match="invalid Poisson rate"):
+        torch.poisson(torch.tensor([1.0, -1.0]).to("tpu")).cpu()

@@ -9,6 +9,8 @@ import torch
 from conftest import assert_same
 from torch import nn
 
+import torch_tpu
+
 RTOL, ATOL = 1e-4, 1e-5
 
 
@@ -182,3 +184,35 @@ def test_module_to_keeps_parameter_identity_and_ties():
     ref(ids).square().sum().backward()
     ref_opt.step()
     assert_same(p.detach(), ref[0].weight.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_foreach_ops_are_one_program_per_list():
+    # The optimizers' multi-tensor path: each _foreach_* call is one program over the whole list
+    # (not one op per tensor), with CPU's results for every overload kind.
+    torch.manual_seed(0)
+    cpu = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
+    other = [torch.rand(t.shape) + 0.5 for t in cpu]
+    dev = [t.to("tpu") for t in cpu]
+    dev_other = [t.to("tpu") for t in other]
+    cases = [
+        lambda xs, ys: torch._foreach_mul_(xs, 0.5),
+        lambda xs, ys: torch._foreach_add_(xs, ys, alpha=2.0),
+        lambda xs, ys: torch._foreach_div_(xs, [1.5, 2.5, 3.5]),
+        lambda xs, ys: torch._foreach_addcdiv_(xs, ys, ys, value=-0.1),
+        lambda xs, ys: torch._foreach_addcmul_(xs, ys, ys, [0.1, 0.2, 0.3]),
+        lambda xs, ys: torch._foreach_lerp_(xs, ys, 0.25),
+        lambda xs, ys: torch._foreach_sqrt_(ys),
+        lambda xs, ys: torch._foreach_maximum_(xs, ys),
+    ]
+    for i, case in enumerate(cases):
+        torch_tpu.reset_metrics()
+        case(dev, dev_other)
+        case(cpu, other)
+        counts = torch_tpu.metrics()["op_counts"]
+        assert sum(counts.values()) == 1, (i, dict(counts))
+        for c, t in zip(cpu + other, dev + dev_other):
+            torch.testing.assert_close(t.cpu(), c, rtol=1e-5, atol=1e-6, msg=f"case {i}")
+    outs = torch._foreach_exp(dev)
+    for c, t in zip(torch._foreach_exp(cpu), outs):
+        torch.testing.assert_close(t.cpu(), c, rtol=1e-5, atol=1e-6)
+    assert torch._foreach_norm(dev)[1].item() == pytest.approx(torch._foreach_norm(cpu)[1].item(), rel=1e-5)

@@ -28,10 +28,11 @@ from torch_tpu import _module_move  # noqa: E402
 
 _module_move.install()
 
-from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, ops  # noqa: E402,F401
+from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse, ops  # noqa: E402,F401
 
 _dispatch.register_lowerings()
 _dispatch.register_out_twins()
+_sparse.register()
 _fallback.register()
 _host.install()
 _autocast.install()

@@ -125,6 +125,8 @@ def _meta(a: Any) -> Any:
 def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Runs torch's meta kernel: raises CPU's errors, returns meta tensors of the results."""
     out = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    if out is None:  # an in-place op on a list (_foreach_mul_): no result
+        return []
     if isinstance(out, torch.Tensor):
         return [out]
     flat: list[torch.Tensor] = []
@@ -161,8 +163,7 @@ class _OpKernel:
         except Exception as e:  # CPU's error type, with the op and the input shapes named
             raise _named(e, f"{self.name}({sig})") from e
         if self.kind == "inplace":
-            self_meta = _meta(args[0])
-            metas = [self_meta]
+            metas = list(_meta(args[0])) if isinstance(args[0], (list, tuple)) else [_meta(args[0])]
         avals = [(tuple(m.shape), m.dtype) for m in metas]
         jax_dtypes = [_dtypes.to_jax(d) for _, d in avals]
         fn = self.lowering.fn
@@ -221,6 +222,10 @@ class _OpKernel:
             dyn[:0] = _rng.next_inputs()
         outs = execute(program, *dyn)
         if self.kind == "inplace":
+            if type(args[0]) is list:  # _foreach_*_: every tensor of the list, returning nothing
+                for t, v in zip(args[0], outs):
+                    write(t, v)
+                return None
             write(args[0], outs[0])
             return args[0]
         if self.kind == "out":

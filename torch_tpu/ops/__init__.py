@@ -16,4 +16,6 @@ from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
 )
 from torch_tpu.ops._registry import LOWERINGS, Lowering, lower
 
+graph.register_foreach()  # after every single-tensor lowering is in the table
+
 __all__ = ["LOWERINGS", "Lowering", "lower"]

@@ -195,8 +195,9 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
 
 
 # The _foreach_* ops (the optimizers' multi-tensor path) apply one op to each element of lists.
-# Eager mode runs torch's own per-tensor composite; a graph names them, so each is mapped here onto
-# the lowering of its single-tensor op.
+# Each is mapped here onto the lowering of its single-tensor op. In eager mode that makes one
+# program per list, where torch's per-tensor composite would dispatch one op per tensor (an AdamW
+# step on 29 parameters: 8 programs instead of 232); graphs name them too.
 _FOREACH_OVERLOAD = {
     "List": ("Tensor", "Tensor_Tensor", "default"),
     "Scalar": ("Scalar", "Tensor_Scalar", "default"),
@@ -242,7 +243,40 @@ def foreach_lowering(op):
             out.append(single.fn(*per, **kwargs))
         return out
 
-    return Lowering(fn, graph_only=True)
+    return Lowering(fn, static_scalars=single.static_scalars, check=single.check, graph_only=True)
+
+
+# Overloads whose Tensor argument holds one scalar per list element (a 1-D CPU tensor), which the
+# single-tensor lowering would take whole: torch's composite serves them in eager mode.
+# _foreach_copy_ may copy from another device, which the hand-written copy_ kernel handles.
+_PER_ELEMENT_TENSOR = {("addcdiv", "Tensor"), ("addcmul", "Tensor"), ("copy", "default")}
+
+
+def register_foreach() -> int:
+    """Adds the functional ``_foreach_*`` overloads to the eager table (the dispatcher derives their
+    in-place twins). Called once every single-tensor lowering is in the table. Ops whose single
+    lowering checks values on the host keep torch's per-tensor composite."""
+    import dataclasses
+
+    from torch_tpu.ops._registry import LOWERINGS
+
+    n = 0
+    names = sorted({s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")})
+    for qualified in names:
+        base = qualified.split("::")[1]
+        if base.endswith("_"):
+            continue
+        packet = getattr(aten, base)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op in LOWERINGS or (base[len("_foreach_"):], overload) in _PER_ELEMENT_TENSOR:
+                continue
+            lowering = foreach_lowering(op)
+            if lowering is None or lowering.check is not None:
+                continue
+            LOWERINGS[op] = dataclasses.replace(lowering, graph_only=False)
+            n += 1
+    return n
 
 
 def _dtype_or(self, dtype):

@@ -1482,3 +1482,70 @@ def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
 
 
 jax_kernel(aten._ctc_loss_backward.default, _ctc_loss_backward, meta=_ctc_loss_backward_meta)
+
+
+# --------------------------------------------------------------------- fractional max pooling
+def _fractional_starts(sample, size: int, out: int, pool: int, dtype):
+    """CPU's window starts for one dimension: ``int((i + u) * a) - int(u * a)`` with
+    ``a = (size - pool) / (out - 1)``, in the input's float type, and the last window flush with the
+    end. ``sample`` (one uniform draw per plane) has shape (planes,); the result (planes, out)."""
+    i = jnp.arange(out, dtype=dtype)
+    if out > 1:
+        alpha = jnp.asarray(size - pool, dtype) / jnp.asarray(out - 1, dtype)
+        u = sample.astype(dtype)[:, None]
+        starts = ((i + u) * alpha).astype(jnp.int64) - (u * alpha).astype(jnp.int64)
+    else:
+        starts = jnp.zeros((sample.shape[0], out), jnp.int64)
+    return starts.at[:, out - 1].set(size - pool)
+
+
+def _fractional_max_pool(x, kernel_size, output_size, random_samples, n: int):
+    """Max over the fractional windows of the last ``n`` dims; indices are flat within a plane.
+    The samples' columns are (w, h) in 2-D and (t, h, w) in 3-D, as CPU reads them."""
+    batched = x.ndim == n + 2
+    xb = x if batched else x[None]
+    lead = xb.shape[:2]
+    planes = lead[0] * lead[1]
+    sizes = xb.shape[2:]
+    samples = random_samples.reshape(planes, n)
+    order = [1, 0] if n == 2 else [0, 1, 2]  # which sample column drives each spatial dim
+    acc = x.dtype if x.dtype not in _LOW else jnp.float32
+    flat = jnp.zeros((planes,) + (1,) * (2 * n), jnp.int64)
+    for d in range(n):
+        starts = _fractional_starts(samples[:, order[d]], sizes[d], output_size[d], kernel_size[d], acc)
+        pos = starts[:, :, None] + jnp.arange(kernel_size[d])  # (planes, out_d, pool_d)
+        shape = [planes] + [1] * (2 * n)
+        shape[1 + d], shape[1 + n + d] = output_size[d], kernel_size[d]
+        stride = math.prod(sizes[d + 1:])
+        flat = flat + pos.reshape(shape) * stride
+    flat = flat.reshape(planes, math.prod(output_size), math.prod(kernel_size))
+    values = jnp.take_along_axis(xb.reshape(planes, -1), flat.reshape(planes, -1), axis=1).reshape(flat.shape)
+    nan = jnp.isnan(values)
+    k = values.shape[-1]
+    last_nan = k - 1 - jnp.argmax(nan[..., ::-1], axis=-1)  # CPU keeps the last NaN of a window
+    arg = jnp.where(nan.any(-1), last_nan, jnp.argmax(jnp.where(nan, _lowest(values.dtype), values), axis=-1))
+    best = jnp.take_along_axis(values, arg[..., None], axis=-1)[..., 0]
+    idx = jnp.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    shape = tuple(lead) + tuple(output_size)
+    best, idx = best.reshape(shape), idx.reshape(shape)
+    return (best, idx) if batched else (best[0], idx[0])
+
+
+@lower(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 2)
+
+
+@lower(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 3)
+
+
+@lower(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 2)
+
+
+@lower(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
+    return scatter_to_input(_acc(grad_output), self.shape, indices, 3)

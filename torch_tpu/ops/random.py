@@ -291,3 +291,47 @@ def native_dropout_backward(grad_output, mask, scale):
 for _op in (aten.normal_.default, aten.bernoulli_.float):
     if str(_op) not in REGISTERED:
         register_kernel(_op, _OpKernel(_op, LOWERINGS[_op], "inplace"), "lowering (inplace)")
+
+
+def _negative_or_nan(xp, values):
+    return ~(values >= 0)
+
+
+def _poisson_check(self, generator=None):
+    from torch_tpu.runtime import checks
+
+    # CPU rejects a negative (or NaN) rate: checked on the host copy, else with the step (checks.py)
+    checks.check_values(self, _negative_or_nan, (),
+                        lambda _: RuntimeError("invalid Poisson rate, expected rate to be non-negative"))
+
+
+@lower(aten.poisson.default, random=True, check=_poisson_check)
+def poisson(key, self, generator=None):
+    """Counts drawn with rate ``self`` (rate 0 gives 0), in the rate's dtype as on CPU."""
+    rate = self.astype(jnp.float32) if self.dtype in (jnp.bfloat16, jnp.float16) else self
+    return jax.random.poisson(key, rate, rate.shape).astype(self.dtype)
+
+
+def _gamma_draws(key, alpha):
+    """Gamma(alpha, 1) draws in alpha's dtype (float32 arithmetic for bf16/f16), kept at or above the
+    smallest normal number as CPU keeps them, so a later log or division stays finite."""
+    a = alpha.astype(jnp.float32) if alpha.dtype in (jnp.bfloat16, jnp.float16) else alpha
+    draws = jax.random.gamma(key, a, a.shape, a.dtype)
+    return jnp.maximum(draws, jnp.finfo(a.dtype).tiny)
+
+
+@lower(aten._standard_gamma.default, random=True)
+def standard_gamma(key, self, generator=None):
+    return _gamma_draws(key, self).astype(self.dtype)
+
+
+# torch has no meta kernel for _sample_dirichlet, which the dispatcher needs for shapes and dtypes
+_meta_lib = torch.library.Library("aten", "IMPL")
+_meta_lib.impl("_sample_dirichlet", lambda self, generator=None: torch.empty_like(self), "Meta")
+
+
+@lower(aten._sample_dirichlet.default, random=True)
+def sample_dirichlet(key, self, generator=None):
+    """Gamma draws normalised over the last dimension, as CPU samples a Dirichlet."""
+    g = _gamma_draws(key, self)
+    return (g / g.sum(-1, keepdims=True)).astype(self.dtype)

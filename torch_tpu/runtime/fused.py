@@ -204,7 +204,12 @@ def _layout(x: Any) -> Any:
     """An input's sharding when it spans several devices: part of the trace's fingerprint, since a
     compiled program accepts only the shardings it was compiled for. None on one device."""
     sharding = getattr(x, "sharding", None)
-    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+    if sharding is None or type(sharding) is _SingleDevice:
+        return None
+    return sharding if len(sharding.device_set) > 1 else None
+
+
+_SingleDevice = jax.sharding.SingleDeviceSharding
 
 
 def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]:
@@ -243,6 +248,7 @@ def flush(reason: str = "sync") -> None:
         _live.clear()
         position = {id(n): i for i, n in enumerate(nodes)}
         args: list = []
+        descs: dict[int, tuple] = {}  # per array input: ("a", position, shape, dtype, layout), shared by its uses
         arg_pos: dict[int, int] = {}
         wiring_all = []
         for n in nodes:
@@ -260,7 +266,8 @@ def flush(reason: str = "sync") -> None:
                     if p is None:
                         p = arg_pos[k] = len(args)
                         args.append(x)
-                    wiring.append(("a", p, tuple(np.shape(x)), x.dtype, _layout(x)))
+                        descs[p] = ("a", p, tuple(np.shape(x)), x.dtype, _layout(x))
+                    wiring.append(descs[p])
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
