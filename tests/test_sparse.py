@@ -141,6 +141,27 @@ def test_sparse_mask():
         torch.zeros(3, 3, device="tpu").sparse_mask(dup().to("tpu"))
 
 
+def test_sparse_mask_of_sparse():
+    a = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]]), torch.randn(4, 2), (2, 3, 2))
+    m = torch.sparse_coo_tensor(torch.tensor([[1, 0, 1, 0, 1], [2, 1, 0, 2, 2]]), torch.randn(5, 2), (2, 3, 2))
+    for mm in (m, m.coalesce()):
+        r, tr = a.sparse_mask(mm), a.to("tpu").sparse_mask(mm.to("tpu"))
+        assert tr.is_coalesced() == r.is_coalesced()
+        assert_same(tr._indices(), r._indices())
+        assert_same(tr._values(), r._values())
+
+
+def test_gradient_through_the_constructor():
+    i = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
+    grads = []
+    for dev in ("cpu", "tpu"):
+        v = torch.tensor([3.0, 4.0, 5.0, 6.0], device=dev, requires_grad=True)
+        s = torch.sparse_coo_tensor(i.to(dev), v, (2, 3))
+        (s.to_dense() * torch.arange(6.0, device=dev).view(2, 3)).sum().backward()
+        grads.append(v.grad)
+    assert_same(grads[1], grads[0])
+
+
 @pytest.mark.parametrize("maximize", [False, True])
 def test_embedding_sparse_adam_matches_cpu(maximize):
     torch.manual_seed(0)

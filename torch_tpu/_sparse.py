@@ -39,7 +39,7 @@ IMPLEMENTED: dict[str, str] = {}  # overload name -> "generic" (torch's SparseMe
 
 def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"{what} is not implemented for sparse tpu tensors (torch_tpu supports the sparse "
-                               "COO life cycle, to_dense, coalesce, add, sparse_mask and scalar mul/div)")
+                               "COO life cycle, to_dense, coalesce, add/sub, sparse_mask, neg and mul/div by a scalar)")
 
 
 def make_sparse(sparse_dim: int, dense_dim: int, size: Any, indices: torch.Tensor, values: torch.Tensor,
@@ -214,15 +214,36 @@ def _sub_(self: torch.Tensor, other: torch.Tensor, *, alpha: Any = 1) -> torch.T
 
 def _sparse_mask(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Dense ``self`` read at ``mask``'s indices (duplicates kept), with ``mask``'s coalesced flag."""
-    if self.is_sparse:
-        raise _unsupported("sparse_mask of a sparse tensor")
     _check_devices("sparse_mask", self, mask)
     if self.shape != mask.shape:
         raise RuntimeError(f"sparse_mask(): operands have incompatible sizes; self has size {list(self.shape)} "
                            f"but mask has size {list(mask.shape)}")
     sd, dd, idx, _ = _parts(mask)
-    vals = self[tuple(idx.unbind(0))] if sd else self.unsqueeze(0).expand(idx.shape[1], *self.shape).clone()
+    if self.is_sparse:
+        vals = _sparse_values_at(self, idx)
+    elif sd:
+        vals = self[tuple(idx.unbind(0))]
+    else:
+        vals = self.unsqueeze(0).expand(idx.shape[1], *self.shape).clone()
     return make_sparse(sd, dd, self.shape, idx.clone(), vals, mask.is_coalesced())
+
+
+def _sparse_values_at(self: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The (summed) values of sparse ``self`` at each index column of ``idx``, zero where it has
+    none: a binary search of the mask's linear indices among ``self``'s sorted ones."""
+    if self.sparse_dim() != idx.shape[0]:
+        raise _unsupported("sparse_mask of sparse tensors with different sparse_dim")
+    src = _coalesce(self) if not self.is_coalesced() else self
+    sidx, svals = src._indices(), src._values()
+    out_shape = (idx.shape[1], *svals.shape[1:])
+    if sidx.shape[1] == 0 or idx.shape[1] == 0:
+        return svals.new_zeros(out_shape)
+    size = tuple(self.shape[: self.sparse_dim()])
+    have, want = _linear_index(sidx, size), _linear_index(idx, size)
+    pos = torch.searchsorted(have, want).clamp_(max=have.shape[0] - 1)
+    found = have[pos] == want
+    picked = svals[pos]
+    return torch.where(found.view(-1, *[1] * (picked.dim() - 1)), picked, svals.new_zeros(()))
 
 
 def _scalar_other(name: str, other: Any) -> None:
