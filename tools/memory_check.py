@@ -1,6 +1,9 @@
 """Live device buffers and process RSS over many training steps (a figure, not a test).
 
     python tools/memory_check.py --mode fused --steps 500 --workload gpt
+
+``--mode compile`` runs the step under ``torch.compile(backend="tpu")`` (in strict mode), whose
+graphs are deferred into one program per step like fused mode's trace.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--workload", default="gpt")
     a = p.parse_args()
-    torch_tpu.set_eager_mode(a.mode)
+    torch_tpu.set_eager_mode("strict" if a.mode == "compile" else a.mode)
     _, step, _ = workloads.make(a.workload, "tpu")
+    if a.mode == "compile":
+        import torch
+
+        step = torch.compile(step, backend="tpu")
     samples = []
     for i in range(1, a.steps + 1):
         loss = step()

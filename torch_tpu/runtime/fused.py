@@ -77,12 +77,25 @@ _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP = (os.path.join(_TORCH_DIR, "torch") + os.sep, _OUR_DIR + os.sep, "<frozen")  # "<string>" is user code
 
 
+_skipped_code: dict[int, tuple[str, bool]] = {}  # id(code) -> (its file name, whether torch's or ours)
+
+
 def user_site() -> tuple[str, int] | None:
-    """The innermost source line outside torch and torch_tpu: where the user asked for this."""
+    """The innermost source line outside torch and torch_tpu: where the user asked for this.
+    Whether a frame's file is skipped is remembered per code object (by id, checked against its
+    file name: hashing code objects costs more than the string test it saves)."""
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+    skipped = _skipped_code
+    while f is not None:
+        code = f.f_code
+        name = code.co_filename
+        known = skipped.get(id(code))
+        if known is None or known[0] is not name:  # new, or a dead code object's id reused
+            known = skipped[id(code)] = (name, name.startswith(_SKIP))
+        if not known[1]:
+            return (name, f.f_lineno)
         f = f.f_back
-    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+    return None
 
 
 def _spec(x: Any) -> Any:
