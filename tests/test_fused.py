@@ -110,8 +110,9 @@ def test_recompile_explainer_names_the_changed_shape(fused_mode, monkeypatch):
     assert reasons, "a shape change must be recorded as a recompilation"
     assert any("[5, 8]" in r or "[16, 8]" in r for r in reasons), reasons
     assert "recompilations" in torch_tpu.metrics_report()
-    texts = [str(c.message) for c in caught if "recompiled" in str(c.message)]
-    assert len(texts) == 1 and "drop_last=True" in texts[0]
+    found = [c for c in caught if "recompiled" in str(c.message)]
+    assert len(found) == 1 and "drop_last=True" in str(found[0].message)
+    assert found[0].filename == __file__  # the warning points at the user's line, not into torch_tpu
 
 
 def _broken(self):

@@ -184,12 +184,15 @@ def _record_recompile(site: Any, why: str) -> None:
     _site_recompiles[site] += 1
     if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
         _warned_sites.add(site)
-        warnings.warn(
+        message = (
             f"tpu: the fused program at {text} recompiled {_site_recompiles[site]} times; last reason: {why}. "
             "Shapes that change every step recompile every step: pad or bucket them, or use "
-            "DataLoader(drop_last=True) so the last batch has the same size.",
-            stacklevel=4,
+            "DataLoader(drop_last=True) so the last batch has the same size."
         )
+        if site[0] is not None:  # attributed to the user's line that ended the trace
+            warnings.warn_explicit(message, UserWarning, site[0][0], site[0][1])
+        else:
+            warnings.warn(message, stacklevel=4)
 
 
 def cache_stats() -> dict[str, Any]:
