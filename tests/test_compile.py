@@ -196,3 +196,77 @@ def test_mark_dynamic():
         xt = x.to("tpu")
         torch._dynamo.mark_dynamic(xt, 0)
         torch.testing.assert_close(f(xt).cpu(), (x.relu() + 1).sum(0))
+
+
+def test_with_effects_linalg_in_graph():
+    # linalg.inv/cholesky check their info with a side-effecting op: AOTAutograd wraps it in
+    # with_effects(token, op, ...). The graph returns info, checked like a device-side assert.
+    a = torch.randn(4, 4)
+    a = a @ a.T + 4 * torch.eye(4)
+    f = torch.compile(lambda x: torch.linalg.inv(x) + torch.linalg.cholesky(x), backend="tpu")
+    want = torch.linalg.inv(a) + torch.linalg.cholesky(a)
+    torch.testing.assert_close(f(a.to("tpu")).cpu(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_failed_factorization_in_graph_raises_cpus_error():
+    f = torch.compile(lambda x: torch.linalg.inv(x), backend="tpu")
+    with pytest.raises(torch.linalg.LinAlgError) as cpu_error:
+        torch.linalg.inv(torch.zeros(3, 3))
+    with pytest.raises(torch.linalg.LinAlgError) as tpu_error:
+        f(torch.zeros(3, 3, device="tpu")).cpu()  # surfaces at the host read, as a device-side check
+    assert str(cpu_error.value) in str(tpu_error.value)
+    torch_tpu.sync()
+    f(torch.eye(3, device="tpu")).cpu()  # the failure does not stick
+
+
+def test_graph_only_lowerings_of_eager_kernels():
+    # grid_sampler_2d (all three modes), bilinear's _trilinear, unfold and histc-like kernels are hand
+    # kernels or decompositions in eager mode; a graph needs them as lowerings.
+    torch.manual_seed(0)
+    x, grid = torch.randn(2, 3, 5, 6), torch.rand(2, 4, 3, 2) * 2.4 - 1.2
+    lin = nn.Bilinear(3, 4, 2)
+
+    def f(x, grid, a, b):
+        outs = [nn.functional.grid_sample(x, grid, mode=m, padding_mode=p, align_corners=c)
+                for m in ("bilinear", "nearest", "bicubic") for p in ("zeros", "border", "reflection")
+                for c in (False, True)]
+        return (*outs, lin(a, b), x.unfold(3, 2, 2), torch.histogram(a, 4)[0], torch.linalg.pinv(x))
+
+    a, b = torch.randn(5, 3), torch.randn(5, 4)
+    want = f(x, grid, a, b)
+    lin.to("tpu")
+    got = torch.compile(f, backend="tpu")(x.to("tpu"), grid.to("tpu"), a.to("tpu"), b.to("tpu"))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.detach().cpu(), w.detach(), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("per_element", [False, True])
+def test_boolean_mask_put_in_graph(per_element):
+    def f(x, mask, v):
+        x = x.clone()
+        x[mask] = v
+        return x
+
+    x, mask = torch.randn(5, 3), torch.tensor([True, False, True, True, False])
+    v = torch.randn(3, 3) if per_element else torch.randn(3)
+    got = torch.compile(f, backend="tpu")(x.to("tpu"), mask.to("tpu"), v.to("tpu"))
+    torch.testing.assert_close(got.cpu(), f(x, mask, v))
+
+
+def test_compiles_with_debug_logging_on(caplog):
+    # With debug logging (pytest's default capture, or TORCH_LOGS) AOTAutograd prints its fake
+    # example inputs: a fake tpu tensor's repr must be torch's, not a read of device data.
+    import logging
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.ones(3, device="tpu"))
+    assert repr(fake).startswith("FakeTensor(")
+    mc = mlp()
+    mt = torch.compile(copy.deepcopy(mc).to("tpu"), backend="tpu")
+    x = torch.randn(5, 8)
+    torch_tpu.reset_metrics()
+    with caplog.at_level(logging.DEBUG), torch.no_grad():
+        torch.testing.assert_close(mt(x.to("tpu")).cpu(), mc(x), rtol=RTOL, atol=ATOL)
+    assert "aten.addmm.default" not in torch_tpu.metrics()["op_counts"]  # the graph ran, not eager ops

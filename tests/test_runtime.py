@@ -101,3 +101,38 @@ def test_op_on_uninitialised_storage_after_same_signature():
     e = torch.empty(3, device="tpu")
     assert (e * x).shape == (3,)
     torch.testing.assert_close(torch.empty(3, device="tpu").fill_(2.0).cpu(), torch.full((3,), 2.0))
+
+
+def test_strict_mode_records_eager_ops_between_compiled_graphs():
+    # torch.compile on the model only: the loss, the backward graph and an eager AdamW step join
+    # the forward graph's pending program, so each training step is one cached program.
+    import copy
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    mc = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    mt = copy.deepcopy(mc).to("tpu")
+    compiled = torch.compile(mt, backend="tpu")
+    oc, ot = torch.optim.AdamW(mc.parameters(), lr=0.1), torch.optim.AdamW(mt.parameters(), lr=0.1)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    xt, yt = x.to("tpu"), y.to("tpu")
+    with torch_tpu.set_eager_mode("strict"):
+        for i in range(6):
+            loss = torch.nn.functional.mse_loss(compiled(xt), yt)
+            ot.zero_grad()
+            loss.backward()
+            ot.step()
+            lc = torch.nn.functional.mse_loss(mc(x), y)
+            oc.zero_grad()
+            lc.backward()
+            oc.step()
+            if i == 2:
+                torch_tpu.sync()
+                before = torch_tpu.cache_stats()
+        torch_tpu.sync()
+    after = torch_tpu.cache_stats()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (3, 0)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()

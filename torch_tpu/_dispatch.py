@@ -297,7 +297,7 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
 
             @functools.wraps(fn)
             def run(*args: Any, **kwargs: Any) -> Any:
-                if executor.get_eager_mode() is not executor.EagerMode.FUSED:
+                if not executor.recording():
                     return fn(*args, **kwargs)
                 with executor.eager_section():
                     return fn(*args, **kwargs)

@@ -22,13 +22,23 @@ def _is_tpu(t: torch.Tensor) -> bool:
     return type(t) is not None and isinstance(t, torch.Tensor) and t.device.type == "tpu"
 
 
+def _holds_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has device data to print: not a fake tensor of a trace (AOTAutograd logs its
+    graphs' example inputs when debug logging is on), whose repr is torch's own."""
+    try:
+        return hasattr(t.untyped_storage(), "_jx")
+    except Exception:  # wrapper subclasses without a storage
+        return False
+
+
 def _install_repr() -> None:
     from torch import _tensor_str
 
     original = _tensor_str._str
 
     def _str(self: torch.Tensor, *, tensor_contents: str | None = None) -> str:
-        if tensor_contents is None and _is_tpu(self) and self.numel() > 0 and self.layout == torch.strided:
+        if (tensor_contents is None and _is_tpu(self) and self.numel() > 0 and self.layout == torch.strided
+                and _holds_data(self)):
             host = self.detach().to("cpu")  # one transfer; formatting then runs on CPU
             with torch.no_grad():
                 tensor_contents = _tensor_str._tensor_str(host, len("tensor("))

@@ -33,6 +33,7 @@ from torch_tpu import _dtypes, _rng
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
+from torch_tpu.runtime import checks as value_checks
 from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.executor import Program, deferred, execute
 
@@ -84,7 +85,70 @@ def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     }
 
 
-def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tuple[Callable, int, list]:
+_WITH_EFFECTS = torch.ops.higher_order.with_effects
+# Token bookkeeping AOTAutograd may leave in a graph (with ``unlift_effect_tokens``).
+_TOKEN_OPS = (torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default)
+# Side-effecting ops a graph cannot run: ``_linalg_check_errors`` raises CPU's error for a failed
+# factorization after reading ``info`` on the host, and a graph cannot stop on a value it has not
+# computed yet. The compiled graph returns ``info`` as an extra output instead, and the backend
+# checks it like a device-side assert (:mod:`torch_tpu.runtime.checks`): the error, CPU's own,
+# surfaces at the next host read (at once in debug mode).
+_DROPPED_EFFECTS = frozenset((torch.ops.aten._linalg_check_errors.default,))
+
+
+def _token() -> Any:
+    """The value of an effect token: ordering is the graph's, so the token carries nothing."""
+    return jnp.zeros((0,), jnp.float32)
+
+
+def _check_effect(n: torch.fx.Node) -> None:
+    """A ``with_effects(token, op, *args)`` node must wrap an op the table lowers (or one it drops)."""
+    op = n.args[1]
+    if op not in _DROPPED_EFFECTS:
+        _lowering_of(op)
+
+
+def _run_effect(op: Any, args: tuple, kwargs: dict, meta: Any) -> tuple:
+    """``with_effects``: (new token, *the op's results), as the higher-order op returns them."""
+    if op in _DROPPED_EFFECTS:
+        return (_token(),)
+    lowering = _lowering_of(op)
+    if lowering.random:
+        raise NotImplementedError(f"torch.compile(backend='tpu'): random op {op} under with_effects")
+    r = lowering.fn(*args, **kwargs)
+    rest = meta[1:] if isinstance(meta, (list, tuple)) else None
+    r = tuple(r) if isinstance(r, tuple) else (r,)
+    return (_token(), *(_match_meta(x, m) for x, m in zip(r, rest or [None] * len(r))))
+
+
+def _bool_index_error(n: torch.fx.Node) -> None:
+    """``index`` with a boolean mask has a data-dependent shape: no static graph computes it."""
+    if n.target is not torch.ops.aten.index.Tensor:
+        return
+    for i in n.args[1]:
+        v = i.meta.get("val") if isinstance(i, torch.fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.bool, torch.uint8):
+            raise NotImplementedError(
+                "torch.compile(backend='tpu'): aten.index.Tensor with a boolean mask has a data-dependent shape; "
+                "index with integer indices, or leave this op out of the compiled region"
+            )
+
+
+def _linalg_error(api_name: str, info: Any) -> Exception:
+    """CPU's exception for a failed factorization with this ``info`` (torch builds the message)."""
+    try:
+        torch.ops.aten._linalg_check_errors(torch.tensor(int(info), dtype=torch.int32), api_name, is_matrix=True)
+    except Exception as e:
+        return e
+    return RuntimeError(f"{api_name}: the factorization failed (info={info})")
+
+
+def _nonzero(xp: Any, values: Any) -> Any:
+    return values != 0
+
+
+def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
+                checks: bool = False) -> tuple[Callable, int, list]:
     """A jax function computing ``gm``: (function, number of random ops, output metas).
 
     The function returns the graph's outputs, then the new value of each input a ``copy_`` node
@@ -93,12 +157,21 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tupl
     nodes = list(gm.graph.nodes)
     mutations = _mutations(gm)
     for n in nodes:  # fail at compile time, naming the op, rather than at the first call
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations:
+        if n.op == "call_function" and n.target is _WITH_EFFECTS:
+            _check_effect(n)
+        elif n.op == "call_function" and n.target in _TOKEN_OPS:
+            continue
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations:
             _lowering_of(n.target)
+            _bool_index_error(n)
     n_random = sum(1 for n in nodes if n.op == "call_function" and _is_random(n.target))
     out_node = next(n for n in nodes if n.op == "output")
     out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
     device_mutations = [n for n in mutations if n not in skip]
+    checked = [
+        n for n in nodes
+        if checks and n.op == "call_function" and n.target is _WITH_EFFECTS and n.args[1] in _DROPPED_EFFECTS
+    ]
 
     def fn(rng: list, *inputs: Any) -> tuple:
         env: dict[torch.fx.Node, Any] = {}
@@ -114,6 +187,11 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tupl
                 if isinstance(c, torch.Tensor):
                     c = read(c) if is_tpu(c) else jnp.asarray(_dtypes.cpu_to_numpy(c))
                 env[n] = c
+            elif n.op == "call_function" and n.target is _WITH_EFFECTS:
+                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
+                env[n] = _run_effect(n.args[1], val(n.args[2:]), kwargs, n.meta.get("val"))
+            elif n.op == "call_function" and n.target in _TOKEN_OPS:
+                env[n] = _token() if n.target is _TOKEN_OPS[0] else None
             elif n in mutations:
                 if n not in skip:
                     dst = n.args[0].meta["val"]
@@ -130,9 +208,12 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset()) -> tupl
                 r = lowering.fn(*pre, *args, **kwargs)
                 env[n] = _match_meta(r, n.meta.get("val"))
             elif n.op == "output":
-                return tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
+                return (tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
+                        + tuple(val(c.args[2]) for c in checked))
         raise AssertionError("graph without output")
 
+    # with ``checks``: after the outputs and mutations, each checked ``info`` (its API name, its meta)
+    fn.checks = [(c.args[3] if len(c.args) > 3 else c.kwargs["api_name"], c.args[2].meta.get("val")) for c in checked]
     return fn, n_random, out_metas
 
 
@@ -215,10 +296,11 @@ def _static_avals(metas: list) -> list | None:
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     host_nodes, host_outs, host_mutations = _host_part(gm)
-    fn, n_random, out_metas = lower_graph(gm, skip=host_mutations)
+    fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
-    avals = _static_avals(out_metas + [placeholders[i].meta.get("val") for i in mutated])
+    avals = _static_avals(out_metas + [placeholders[i].meta.get("val") for i in mutated]
+                          + [meta for _, meta in fn.checks])
     run_host = bool(host_outs or host_mutations)
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
@@ -275,8 +357,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         outs = execute(program, *rng, *arrays)
         if new:  # recorded: lowered and shape-checked now, compiled by XLA with the step's program
             metrics.count_compile(program.name, time.perf_counter() - t0)
-        for t, v in zip(targets, outs[len(out_metas):]):
+        n_out = len(out_metas)
+        for t, v in zip(targets, outs[n_out:n_out + len(targets)]):
             write(t, v)
+        for (api_name, meta), v in zip(fn.checks, outs[n_out + len(targets):]):
+            info = new_tensor(tuple(meta.shape), meta.dtype, v)
+            value_checks.check_values(info, _nonzero, (), functools.partial(_linalg_error, api_name))
         results = []
         for i, (o, meta) in enumerate(zip(outs, out_metas)):
             if i in host_results:

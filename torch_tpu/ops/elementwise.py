@@ -1049,3 +1049,9 @@ def legendre_polynomial_p(x, n):
     odd = jnp.fmod(n, 2) != 0
     ends = jnp.where((x > 0) | ~odd, 1.0, -1.0).astype(x.dtype)
     return jnp.where((jnp.abs(x) == 1) & (n >= 0), ends, out)
+
+
+@lower(aten.ldexp.Tensor, graph_only=True)
+def ldexp(self, other):
+    """``self * 2 ** other`` (eager mode runs torch's decomposition, which is the same)."""
+    return self * jnp.exp2(other.astype(jnp.result_type(self, jnp.float32)))

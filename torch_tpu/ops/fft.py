@@ -135,6 +135,20 @@ _copying_view(aten._conj.default, jnp.conj)
 _copying_view(aten._neg_view.default, jnp.negative)
 
 
+# In a graph these are plain functions (eager mode's kernels above make fresh tensors of them).
+lower(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default, graph_only=True)(jnp.conj)
+
+
+@lower(aten.view_as_real.default, graph_only=True)
+def view_as_real(self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+@lower(aten.view_as_complex.default, graph_only=True)
+def view_as_complex(self):
+    return lax.complex(self[..., 0], self[..., 1])
+
+
 @kernel(aten.conj_physical.out)
 def conj_physical_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """``conj_physical`` (and ``conj_physical_``, which CompositeExplicitAutograd routes here)."""

@@ -165,16 +165,29 @@ def arange(start, end=None, step=1, dtype=None):
 # place; a functional graph returns the new statistics instead.
 @lower(aten._native_batch_norm_legit_functional.default, graph_only=True)
 def batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """In eval mode torch's meta kernel (which traces the graph) gives the saved statistics shape
+    (C,) where CPU gives (0,); the graph's shapes rule, so they are the running statistics."""
     from torch_tpu.ops.nn import batch_norm_math
 
-    return batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum,
+                                                eps)
+    if not training:
+        mean, invstd = running_mean, lax.rsqrt(running_var + eps)
+    return out, mean, invstd, rm, rv
 
 
 @lower(aten._native_batch_norm_legit_no_training.default, graph_only=True)
 def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
+    return batch_norm_functional(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@lower(aten._batch_norm_with_update_functional.default, graph_only=True)
+def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """(out, save_mean, save_invstd, reserve, new running mean, new running var)."""
     from torch_tpu.ops.nn import batch_norm_math
 
-    return batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), rm, rv
 
 
 @lower(aten._native_batch_norm_legit.no_stats, graph_only=True)
@@ -331,4 +344,63 @@ def index(self, indices):
 def index_put(self, indices, values, accumulate=False):
     from torch_tpu.ops.indexing import _index_put
 
+    if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
+        return _masked_put(self, indices, values, accumulate)
     return _index_put(self, indices, values, accumulate)
+
+
+def _masked_put(self, indices, values, accumulate):
+    """``self[mask] = values`` with one leading mask: a select, its shape static whatever the mask.
+
+    ``values`` either broadcasts to one selected row (it is the same for every true element) or
+    has one row per true element, in order: the k-th true element takes row k (a cumulative count
+    of the mask indexes them). Either way no host read of the mask is needed.
+    """
+    mask = indices[0]
+    if len(indices) != 1 or mask.dtype not in (jnp.bool_, jnp.uint8):
+        raise NotImplementedError(
+            "torch.compile(backend='tpu'): aten.index_put with a boolean mask is lowered for one leading mask only"
+        )
+    mask = mask.astype(bool)
+    rest = self.shape[mask.ndim:]
+    values = values.astype(self.dtype)
+    if values.ndim == len(rest) + 1 and values.shape[0] != 1:  # one row per true element
+        rank = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, values.shape[0] - 1)
+        rows = jnp.take(values, rank, axis=0).reshape(mask.shape + values.shape[1:])
+    else:
+        rows = jnp.reshape(values, values.shape[1:]) if values.ndim == len(rest) + 1 else values
+    rows = jnp.broadcast_to(rows, mask.shape + rest)
+    m = mask.reshape(mask.shape + (1,) * len(rest))
+    return jnp.where(m, self + rows if accumulate else rows, self)
+
+
+# Copying twins of views (``view_copy``, ``permute_copy``, ...): functional graphs name them where
+# eager mode has torch's view kernels; each is its view's lowering.
+lower(aten.view_copy.default, graph_only=True)(view)
+lower(aten.permute_copy.default, graph_only=True)(permute)
+lower(aten.as_strided_copy.default, graph_only=True)(as_strided)
+lower(aten.unbind_copy.int, graph_only=True)(unbind)
+
+
+@lower(aten.narrow_copy.default, graph_only=True)
+def narrow_copy(self, dim, start, length):
+    dim = _norm_dim(dim, self.ndim)
+    start = start % self.shape[dim] if start < 0 else start
+    return slice_(self, dim, start, start + length)
+
+
+@lower(aten.unfold.default, aten.unfold_copy.default, graph_only=True)
+def unfold(self, dimension, size, step):
+    """Windows of ``size`` every ``step`` along ``dimension``, as a new last axis (a gather)."""
+    if self.ndim == 0:
+        return jnp.reshape(self, (1,))
+    dim = _norm_dim(dimension, self.ndim)
+    n = (self.shape[dim] - size) // step + 1
+    idx = np.arange(n)[:, None] * step + np.arange(size)[None, :]
+    windows = jnp.take(self, idx.reshape(-1), axis=dim).reshape(self.shape[:dim] + (n, size) + self.shape[dim + 1:])
+    return jnp.moveaxis(windows, dim + 1, -1)
+
+
+@lower(aten.empty_permuted.default, graph_only=True)
+def empty_permuted(size, physical_layout, dtype=None):
+    return zeros(size, dtype)

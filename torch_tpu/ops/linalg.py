@@ -244,6 +244,12 @@ def _cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     return out
 
 
+@lower(aten.cholesky.default, graph_only=True)
+def cholesky(self, upper=False):
+    """In a graph: the factor alone (a graph cannot raise on ``info``; a failed factor has NaNs)."""
+    return linalg_cholesky_ex(self, upper)[0]
+
+
 @lower(aten.cholesky_solve, aten._cholesky_solve_helper)
 def cholesky_solve(self, input2, upper=False):
     b, factor = self, input2
@@ -381,6 +387,30 @@ def linalg_solve_triangular(self, B, upper, left=True, unitriangular=False):
 def _linalg_eigh(A, UPLO="L", compute_v=True):
     w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
     return w, (v if compute_v else jnp.zeros((0,), A.dtype))
+
+
+@lower(aten.linalg_pinv.atol_rtol_tensor, graph_only=True)
+def linalg_pinv(self, atol=None, rtol=None, hermitian=False):
+    """The pseudo-inverse from the SVD (the eigendecomposition when ``hermitian``), singular values
+    at most max(atol, rtol * largest) dropped; rtol defaults to eps * max(m, n) unless atol > 0."""
+    m, n = self.shape[-2:]
+    real = jnp.finfo(self.dtype).dtype
+    if hermitian:
+        w, v = jnp.linalg.eigh(self, symmetrize_input=False)
+        s, u, vh = jnp.abs(w), v, _mH(v * jnp.sign(w)[..., None, :].astype(self.dtype))
+    else:
+        u, s, vh = jnp.linalg.svd(self, full_matrices=False)
+    top = jnp.max(s, axis=-1, initial=0.0)[..., None]
+    atol_ = jnp.zeros((), real) if atol is None else jnp.asarray(atol, real)[..., None]
+    if rtol is None:
+        default = jnp.asarray(jnp.finfo(real).eps * max(m, n), real)
+        rtol_ = default if atol is None else jnp.where(atol_ > 0, 0.0, default)
+    else:
+        rtol_ = jnp.asarray(rtol, real)[..., None]
+    tol = jnp.maximum(atol_, rtol_ * top)
+    keep = s > tol
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(self.dtype)
+    return _mH(vh) @ (s_inv[..., :, None] * _mH(u))
 
 
 @lower(aten._linalg_svd)
@@ -642,6 +672,7 @@ def _geqrf_meta(self: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 jax_kernel(aten.geqrf.default, geqrf, meta=_geqrf_meta)
+lower(aten.geqrf.default, graph_only=True)(geqrf)
 
 
 def _householder_q(A, tau):

@@ -1309,6 +1309,73 @@ def _grid_sampler_3d_check(input, grid, interpolation_mode, padding_mode, align_
 lower(aten.grid_sampler_3d.default, check=_grid_sampler_3d_check)(grid_sampler_3d)
 
 
+def grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners):
+    """Bilinear and nearest: the 3-d sampler over a depth of one (z = 0 lands on it exactly);
+    bicubic: CPU's 4x4 cubic convolution (A = -0.75), padding applied to each tap."""
+    if interpolation_mode != 2:
+        g3 = jnp.concatenate([grid, jnp.zeros_like(grid[..., :1])], axis=-1)[:, None]
+        return grid_sampler_3d(input[:, :, None], g3, interpolation_mode, padding_mode, align_corners)[:, :, 0]
+    x = _acc(input)
+    g = grid.astype(x.dtype)
+    h, w = x.shape[-2:]
+    ix = _grid_unnormalize(g[..., 0], w, align_corners)
+    iy = _grid_unnormalize(g[..., 1], h, align_corners)
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+
+    def tap(c, size):  # one tap's coordinate after padding (zeros padding: out of range reads 0)
+        if padding_mode == 0:
+            return c
+        return _grid_source(_grid_normalize(c, size, align_corners), size, padding_mode, align_corners)
+
+    def gather(yi, xi):
+        yi, xi = jnp.round(yi).astype(jnp.int64), jnp.round(xi).astype(jnp.int64)
+        inside = (yi >= 0) & (yi < h) & (xi >= 0) & (xi < w)
+        flat = jnp.clip(yi, 0, h - 1) * w + jnp.clip(xi, 0, w - 1)
+        vals = jax.vmap(lambda xn, fn: jnp.take(xn.reshape(xn.shape[0], -1), fn, axis=1))(x, flat)
+        return jnp.where(inside[:, None], vals, 0)
+
+    wx, wy = _cubic_weights(ix - x0), _cubic_weights(iy - y0)
+    out = 0
+    for i in range(4):
+        for j in range(4):
+            out = out + gather(tap(y0 - 1 + i, h), tap(x0 - 1 + j, w)) * (wy[i] * wx[j])[:, None]
+    return out
+
+
+def _grid_normalize(coord, size: int, align_corners: bool):
+    """The inverse of :func:`_grid_unnormalize` (a tap's pixel position back to [-1, 1])."""
+    if align_corners:
+        return coord * 2 / max(size - 1, 1) - 1
+    return (coord * 2 + 1) / size - 1
+
+
+def _cubic_weights(t, a: float = -0.75):
+    """The four cubic-convolution weights of taps -1, 0, 1, 2 at fraction ``t``."""
+    def near(d):
+        return ((a + 2) * d - (a + 3)) * d * d + 1
+
+    def far(d):
+        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+lower(aten.grid_sampler_2d.default, graph_only=True)(grid_sampler_2d)
+
+
+@lower(aten._trilinear.default, graph_only=True)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``bilinear``'s kernel: the three inputs unsqueezed at their ``expand`` dims, multiplied,
+    summed over ``sumdim`` (eager mode runs torch's composite)."""
+    def unsqueeze(a, dims):
+        for d in sorted(dims):
+            a = jnp.expand_dims(a, d)
+        return a
+
+    prod = unsqueeze(i1, expand1) * unsqueeze(i2, expand2) * unsqueeze(i3, expand3)
+    return jnp.sum(prod, axis=tuple(sumdim)) if sumdim else prod
+
+
 def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
                               output_mask):
     """The vjp of the forward lowering, for the results ``output_mask`` asks for."""

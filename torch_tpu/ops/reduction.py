@@ -184,6 +184,13 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):  # noq
     return _vector_norm(self, ord, dim, keepdim, dtype)
 
 
+@lower(aten.dist.default, static_scalars=True, graph_only=True)
+def dist(self, other, p=2):
+    """The p-norm of ``self - other`` (eager mode runs torch's decomposition)."""
+    diff = jnp.subtract(*jnp.broadcast_arrays(self, other))
+    return _vector_norm(diff, p, None, False, None)
+
+
 @lower(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype)
 def norm(self, p=2, dim=None, keepdim=False, dtype=None):
     return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
@@ -829,3 +836,35 @@ def hash_tensor(self, dim=(), keepdim=False, mode=0):
     if keepdim:
         out = jnp.expand_dims(out, axes)
     return out
+
+
+# Histograms in a graph: the same bin math as the eager kernels, without their host checks of a
+# non-finite data range (a graph cannot raise on a value it computes).
+@lower(aten.histogram.bin_ct, graph_only=True)
+def histogram_bin_ct(self, bins=100, range=None, weight=None, density=False):  # noqa: A002
+    rng = None if range is None else tuple(float(r) for r in range)
+    w = None if weight is None else weight.reshape(-1)
+    return _hist_bin_ct(self.reshape(-1, 1), w, bins=(bins,), range_=rng, density=density)
+
+
+@lower(aten.histogram.bins_tensor, graph_only=True)
+def histogram_bins_tensor(self, bins, weight=None, density=False):
+    w = None if weight is None else weight.reshape(-1)
+    return _hist_bin_tensors(self.reshape(-1, 1), w, density=density, e0=bins), bins
+
+
+@lower(aten._histogramdd_bin_edges.default, graph_only=True)
+def histogramdd_bin_edges(self, bins, range=None, weight=None, density=False):  # noqa: A002
+    rng = None if range is None else tuple(float(r) for r in range)
+    return list(_hist_bin_ct(self, bins=tuple(bins), range_=rng, density=density, edges_only=True))
+
+
+@lower(aten._histogramdd_from_bin_cts.default, graph_only=True)
+def histogramdd_from_bin_cts(self, bins, range=None, weight=None, density=False):  # noqa: A002
+    rng = None if range is None else tuple(float(r) for r in range)
+    return _hist_bin_ct(self, weight, bins=tuple(bins), range_=rng, density=density, hist_only=True)
+
+
+@lower(aten._histogramdd_from_bin_tensors.default, graph_only=True)
+def histogramdd_from_bin_tensors(self, bins, weight=None, density=False):
+    return _hist_bin_tensors(self, weight, density=density, **{f"e{d}": b for d, b in enumerate(bins)})

@@ -53,8 +53,9 @@ def get_eager_mode() -> EagerMode:
 
 
 def recording() -> bool:
-    """True in fused mode (outside an :func:`eager_section`): programs are recorded, not run."""
-    return _mode is EagerMode.FUSED
+    """True when programs are recorded, not run: in fused mode, and in strict mode while compiled
+    graphs are pending (see :func:`deferred`); never inside an :func:`eager_section`."""
+    return _mode is EagerMode.FUSED or (_mode is EagerMode.STRICT and not _outer and fused.graphs_pending())
 
 
 class _ModeSetter:
@@ -106,7 +107,9 @@ _outer: list[EagerMode] = []
 def deferred() -> Iterator[None]:
     """Records the body's programs into the pending trace in strict mode too (debug mode still runs
     them at once): for compiled graphs, so that a step's forward, backward and optimizer graphs
-    become one XLA program. Whatever reads a pending value outside runs the trace first."""
+    become one XLA program. Until that trace runs, strict mode records the eager ops between the
+    graphs as well (a loss, an optimizer step outside the compiled region), so they join the
+    program; a host read, or the next step's first graph, runs it."""
     global _mode
     previous = _mode
     if previous is EagerMode.STRICT:
@@ -166,7 +169,7 @@ class Program:
 
 def execute(program: Program, *inputs: Any) -> Any:
     """Runs ``program`` under the current mode and returns its jax outputs (or placeholders)."""
-    if _mode is EagerMode.FUSED:
+    if _mode is EagerMode.FUSED or (_mode is EagerMode.STRICT and not _outer and fused.graphs_pending()):
         return fused.record(program, inputs)
     try:  # outside fused mode storages hold concrete arrays (_storage.base_array sees to it)
         prof = profiler._active

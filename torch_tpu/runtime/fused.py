@@ -209,6 +209,11 @@ def begin_graph(graph: int, inputs: list) -> None:
         _graphs.add(graph)
 
 
+def graphs_pending() -> bool:
+    """Whether the pending trace holds a compiled graph (strict mode then records too)."""
+    return bool(_graphs)
+
+
 def pending_count() -> int:
     return len(_pending)
 

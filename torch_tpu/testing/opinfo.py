@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -187,13 +187,16 @@ def _take(it: Iterable, n: int):
         yield x
 
 
-def run(ops: list, verbose: bool = False, **kw) -> list[Verdict]:
+def run(ops: list, verbose: bool = False, checker: Callable[..., Verdict] | None = None, **kw) -> list[Verdict]:
+    """``checker`` (eager :func:`check` by default) for each op, warnings silenced; a failure of the
+    harness itself becomes the op's verdict, never the end of the run."""
+    checker = checker or check
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for op in ops:
             try:
-                v = check(op, **kw)
+                v = checker(op, **kw)
             except Exception:  # the harness itself must never stop the run
                 v = Verdict(op_key(op), error="harness: " + traceback.format_exc(limit=1).splitlines()[-1])
             if verbose:
@@ -214,3 +217,60 @@ def summary(verdicts: list[Verdict]) -> dict[str, Any]:
         "grad": sum(v.grad for v in tested) / n,
         "no_fallback": sum(v.no_fallback for v in tested) / n,
     }
+
+
+# ------------------------------------------------------------------------------ torch.compile
+COMPILED_SAMPLES = 2
+
+
+def check_compiled(op, max_samples: int = COMPILED_SAMPLES) -> Verdict:
+    """Runs one OpInfo's first samples through ``torch.compile(backend="tpu")`` and compares them
+    with CPU eager. Only ``forward`` is meaningful in the verdict.
+
+    Graphs reach ops eager mode never sees (functional views such as ``view_copy``, the
+    ``with_effects`` wrapper, ops AOTAutograd keeps whole), so each op runs in a graph of its own.
+    Dynamo is reset before each sample: every sample is a fresh static-shape compile.
+    """
+    import torch._dynamo
+
+    v = Verdict(op_key(op))
+    v.skipped = skip_reason(op)
+    if v.skipped:
+        return v
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return op(*args, **kwargs)
+
+    try:
+        torch.manual_seed(0)
+        samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples))
+        for s in samples:
+            if _random_sample(s):
+                continue
+            try:
+                *_, cpu_out = _sample_call(op, s, lambda x: x)
+            except Exception:
+                continue  # CPU rejects it: eager mode checks the errors
+            torch._dynamo.reset()
+            _, _, _, tpu_out = _sample_call(torch.compile(call, backend="tpu"), s, _to_tpu)
+            _compare(cpu_out, tpu_out)
+        v.forward = True
+    except Exception as e:
+        v.error = f"compiled: {type(e).__name__}: {_first_line(e)}"
+    finally:
+        torch._dynamo.reset()
+    return v
+
+
+def _first_line(e: Exception) -> str:
+    """The message's first line that says something (Dynamo wraps the backend's error)."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip() and not ln.startswith("backend=")]
+    return lines[0][:300] if lines else ""
+
+
+def run_compiled(ops: list, verbose: bool = False) -> list[Verdict]:
+    """:func:`check_compiled` for each op, Dynamo's logging silenced."""
+    import logging
+
+    torch._logging.set_logs(dynamo=logging.CRITICAL, graph_breaks=False)
+    return run(ops, verbose, checker=check_compiled)
