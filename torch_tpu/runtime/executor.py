@@ -169,7 +169,7 @@ class Program:
 
 def execute(program: Program, *inputs: Any) -> Any:
     """Runs ``program`` under the current mode and returns its jax outputs (or placeholders)."""
-    if _mode is EagerMode.FUSED or (_mode is EagerMode.STRICT and not _outer and fused.graphs_pending()):
+    if recording():
         return fused.record(program, inputs)
     try:  # outside fused mode storages hold concrete arrays (_storage.base_array sees to it)
         prof = profiler._active
