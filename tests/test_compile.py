@@ -253,6 +253,27 @@ def test_boolean_mask_put_in_graph(per_element):
     torch.testing.assert_close(got.cpu(), f(x, mask, v))
 
 
+def test_boolean_mask_put_in_graph_checks_the_row_count():
+    # One row of values per true element: the graph cannot see the count, so it is checked like a
+    # device-side assert and CPU's error surfaces at the next host read.
+    def f(x, mask, v):
+        x = x.clone()
+        x[mask] = v
+        return x
+
+    x, v = torch.randn(5, 3), torch.randn(3, 3)
+    mask = torch.tensor([True, False, True, False, False])  # 2 true elements, 3 rows
+    with pytest.raises(RuntimeError) as cpu_error:
+        f(x, mask, v)
+    g = torch.compile(f, backend="tpu")
+    with pytest.raises(RuntimeError) as tpu_error:
+        g(x.to("tpu"), mask.to("tpu"), v.to("tpu")).cpu()
+    assert str(cpu_error.value) in str(tpu_error.value)
+    torch_tpu.sync()
+    ok = torch.tensor([True, True, False, True, False])
+    torch.testing.assert_close(g(x.to("tpu"), ok.to("tpu"), v.to("tpu")).cpu(), f(x, ok, v))
+
+
 def test_compiles_with_debug_logging_on(caplog):
     # With debug logging (pytest's default capture, or TORCH_LOGS) AOTAutograd prints its fake
     # example inputs: a fake tpu tensor's repr must be torch's, not a read of device data.

@@ -147,6 +147,29 @@ def _nonzero(xp: Any, values: Any) -> Any:
     return values != 0
 
 
+def _mask_rows(n: torch.fx.Node) -> tuple[torch.fx.Node, int, Callable[[Any], Exception]] | None:
+    """``x[mask] = values`` with one row of values per true element: CPU raises when the counts
+    differ, which a static graph cannot see. (mask node, rows, CPU's error from the difference), or
+    None when the values broadcast (any count is right) or the put is not by one boolean mask."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.index_put.default or len(n.args[1]) != 1:
+        return None
+    mask = n.args[1][0]
+    metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (n.args[0], mask, n.args[2])]
+    if not all(isinstance(m, torch.Tensor) for m in metas) or metas[1].dtype not in (torch.bool, torch.uint8):
+        return None
+    x, m, v = metas
+    rest = list(x.shape[m.dim():])
+    if v.dim() != len(rest) + 1 or v.shape[0] == 1:
+        return None
+    rows = int(v.shape[0])
+
+    def error(difference: Any) -> Exception:
+        return RuntimeError(f"shape mismatch: value tensor of shape {list(v.shape)} cannot be broadcast to "
+                            f"indexing result of shape {[rows + int(difference)] + rest}")
+
+    return mask, rows, error
+
+
 def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 checks: bool = False) -> tuple[Callable, int, list]:
     """A jax function computing ``gm``: (function, number of random ops, output metas).
@@ -168,10 +191,17 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
     out_node = next(n for n in nodes if n.op == "output")
     out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
     device_mutations = [n for n in mutations if n not in skip]
-    checked = [
-        n for n in nodes
-        if checks and n.op == "call_function" and n.target is _WITH_EFFECTS and n.args[1] in _DROPPED_EFFECTS
-    ]
+    # value checks a graph cannot raise at the op: each becomes an extra output, nonzero when failed
+    checked: list[tuple[Callable[[dict], Any], Callable[[Any], Exception], Any]] = []  # value, error, meta
+    for n in nodes if checks else ():
+        if n.op == "call_function" and n.target is _WITH_EFFECTS and n.args[1] in _DROPPED_EFFECTS:
+            api_name = n.args[3] if len(n.args) > 3 else n.kwargs["api_name"]
+            checked.append((functools.partial(_value, a=n.args[2]), functools.partial(_linalg_error, api_name),
+                            n.args[2].meta.get("val")))
+        elif (mask_rows := _mask_rows(n)) is not None:
+            mask, rows, error = mask_rows
+            count = torch.empty((), dtype=torch.int64, device="meta")
+            checked.append((lambda env, m=mask, r=rows: (jnp.sum(env[m] != 0) - r).astype(jnp.int64), error, count))
 
     def fn(rng: list, *inputs: Any) -> tuple:
         env: dict[torch.fx.Node, Any] = {}
@@ -209,11 +239,12 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 env[n] = _match_meta(r, n.meta.get("val"))
             elif n.op == "output":
                 return (tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
-                        + tuple(val(c.args[2]) for c in checked))
+                        + tuple(value(env) for value, _, _ in checked))
         raise AssertionError("graph without output")
 
-    # with ``checks``: after the outputs and mutations, each checked ``info`` (its API name, its meta)
-    fn.checks = [(c.args[3] if len(c.args) > 3 else c.kwargs["api_name"], c.args[2].meta.get("val")) for c in checked]
+    # with ``checks``: after the outputs and mutations, one array per check, nonzero where it failed;
+    # ``fn.checks`` holds (the error it raises, given the first nonzero value; the array's meta)
+    fn.checks = [(error, meta) for _, error, meta in checked]
     return fn, n_random, out_metas
 
 
@@ -360,9 +391,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         n_out = len(out_metas)
         for t, v in zip(targets, outs[n_out:n_out + len(targets)]):
             write(t, v)
-        for (api_name, meta), v in zip(fn.checks, outs[n_out + len(targets):]):
-            info = new_tensor(tuple(meta.shape), meta.dtype, v)
-            value_checks.check_values(info, _nonzero, (), functools.partial(_linalg_error, api_name))
+        for (error, meta), v in zip(fn.checks, outs[n_out + len(targets):]):
+            flag = new_tensor(tuple(meta.shape), meta.dtype, v)
+            value_checks.check_values(flag, _nonzero, (), error)
         results = []
         for i, (o, meta) in enumerate(zip(outs, out_metas)):
             if i in host_results:

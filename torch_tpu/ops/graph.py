@@ -354,7 +354,8 @@ def _masked_put(self, indices, values, accumulate):
 
     ``values`` either broadcasts to one selected row (it is the same for every true element) or
     has one row per true element, in order: the k-th true element takes row k (a cumulative count
-    of the mask indexes them). Either way no host read of the mask is needed.
+    of the mask indexes them). Either way no host read of the mask is needed; in the second case the
+    backend checks the count against CPU's rule after the graph runs (``_mask_rows`` in compile/backend.py).
     """
     mask = indices[0]
     if len(indices) != 1 or mask.dtype not in (jnp.bool_, jnp.uint8):
