@@ -67,7 +67,6 @@ class Lazy:
         self.shape = tuple(aval.shape)
         self.dtype = aval.dtype
 
-
     def __repr__(self) -> str:
         return f"Lazy({self.dtype}{list(self.shape)}, {'ready' if self.value is not None else 'pending'})"
 
