@@ -98,6 +98,62 @@ def test_training_matches_cpu_and_reaches_steady_state(fused_mode):
     assert all({"fingerprint", "hits", "compile_seconds", "last_use"} <= set(e) for e in stats["entries"])
 
 
+def _sgd_steps(model, steps, read_loss):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16).to("tpu")
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        if read_loss:
+            loss.item()
+    return loss
+
+
+def test_step_program_leaves_out_dropped_gradients(fused_mode):
+    """The optimizer step's trace runs once zero_grad has dropped the gradients, so the step's
+    program writes out only the parameters and the loss; a loop that reads the loss after the
+    step (gradients still alive) gets its own program and does not widen the other one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to("tpu")
+    n_params = len(list(model.parameters()))
+    loss = _sgd_steps(model, 4, read_loss=False)
+    loss.item()  # the last step runs here, its gradients alive: a program with them as outputs
+    cache.reset_stats()
+    _sgd_steps(model, 3, read_loss=False)
+    model.zero_grad(set_to_none=True)
+    torch_tpu.sync()
+    outputs = sorted(e["outputs"] for e in torch_tpu.cache_stats()["entries"] if e["hits"])
+    assert outputs == [n_params + 1], torch_tpu.cache_stats()["entries"]  # parameters and loss only
+    assert {e["outputs"] for e in torch_tpu.cache_stats()["entries"]} >= {n_params + 1, 2 * n_params + 1}
+
+
+def test_parameters_updated_in_place_keep_their_buffers(fused_mode):
+    """A donated parameter must be paired with its own update, not with another output of its shape
+    (its gradient): XLA then writes the new value over the old one instead of copying it."""
+    from torch_tpu import _storage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16).to("tpu")
+
+    def buffers():
+        return [_storage.base_array(p.untyped_storage()).unsafe_buffer_pointer() for p in model.parameters()]
+
+    kept = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()  # the gradients stay alive through the step: outputs of the same shapes
+        before = buffers()
+        opt.step()
+        loss.item()
+        kept.append(sum(a == b for a, b in zip(before, buffers())))
+    assert kept[1:] == [4, 4, 4], kept  # the first step also creates the optimizer's state
+
+
 def test_recompile_explainer_names_the_changed_shape(fused_mode, monkeypatch):
     monkeypatch.setattr(cache, "RECOMPILE_WARN", 2)
     w = torch.randn(8, 4, device="tpu")
@@ -191,7 +247,7 @@ def test_persistent_cache_survives_corrupt_entries(tmp_path):
 
     first = run()
     assert first.returncode == 0, first.stderr
-    entries = [p for p in tmp_path.iterdir() if p.is_file()]
+    entries = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert entries, "the fused program must be written to the persistent cache"
     for p in entries:
         p.write_bytes(b"not an executable")

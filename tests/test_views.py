@@ -94,3 +94,20 @@ def test_cpu_scalar_tensor_mixes_like_cuda():
     c = torch.randn(3)
     s = torch.tensor(2.0)
     assert_same(c.to("tpu") * s, c * s)
+
+
+def test_transpose_of_a_flattened_view_reads_and_writes_without_a_gather():
+    """grad.view(-1, D).t() (a Linear's weight gradient on a 3-d input) spans two dims of its base:
+    it is read as a reshape and a transpose, not as a gather of every element."""
+    from torch_tpu import _storage
+
+    c = torch.randn(2, 3, 4)
+    t = c.to("tpu")
+    for x in (c, t):
+        v = x.view(6, 4).t()
+        v[1:3].mul_(-2)
+    torch.testing.assert_close(t.cpu(), c)
+    torch.testing.assert_close(t.view(6, 4).t().cpu(), c.view(6, 4).t())
+    torch.testing.assert_close(t.view(6, 4)[::2].t().cpu(), c.view(6, 4)[::2].t())
+    assert _storage._plan((2, 3, 4), (4, 6), (1, 4), 0)[0] == "reshaped"
+    assert _storage._plan((2, 3, 4), (4, 3), (1, 8), 0)[0] == "reshaped"

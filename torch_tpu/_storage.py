@@ -67,8 +67,39 @@ def _plan(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...],
 
     ``("id",)`` the whole base; ``("reshape",)`` the whole base, reshaped; ``("flat", start)`` a
     contiguous run; ``("slice", index, perm, bshape)`` a strided slice of the base dims, permuted and
-    broadcast; ``("gather",)`` anything else (an as_strided with overlapping or odd strides).
+    broadcast; ``("reshaped", shape, plan)`` one of those on the base reshaped to ``shape`` (the
+    transpose of a flattened ``[B, T, D]`` gradient); ``("gather",)`` anything else (an as_strided
+    with overlapping or odd strides). A gather costs far more than a transpose, which XLA folds
+    into the matmul reading it.
     """
+    plan = _plan_on(base, size, stride, offset)
+    if plan[0] == "gather":
+        shape = _refined_base(base, size, stride)
+        if shape is not None and shape != base:
+            inner = _plan_on(shape, size, stride, offset)
+            if inner[0] != "gather":
+                return ("reshaped", shape, inner)
+    return plan
+
+
+def _refined_base(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...]) -> tuple | None:
+    """A shape of the base's elements with one dim per stride of the view, when the view's strides
+    divide each other: in it, every view dim walks a single base dim."""
+    strides = sorted({s for n, s in zip(size, stride) if n != 1 and s != 0}, reverse=True)
+    numel = math.prod(base)
+    if not strides or numel % strides[0]:
+        return None
+    shape = [numel // strides[0]]
+    for big, small in zip(strides, strides[1:]):
+        if big % small:
+            return None
+        shape.append(big // small)
+    if strides[-1] > 1:
+        shape.append(strides[-1])
+    return tuple(shape)
+
+
+def _plan_on(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> tuple:
     numel = math.prod(size)
     if numel == 0:
         return ("empty",)
@@ -128,6 +159,8 @@ def _read(plan: tuple, base_shape, size, stride, offset, dtype, base):
     if kind == "slice":
         sub = jnp.transpose(base[_as_index(plan[1])], plan[2])
         return jnp.broadcast_to(sub.reshape(plan[3]), size)
+    if kind == "reshaped":
+        return _read(plan[2], plan[1], size, stride, offset, dtype, base.reshape(plan[1]))
     return base.reshape(-1)[_flat_index(size, stride, offset)]
 
 
@@ -146,6 +179,8 @@ def _write(plan: tuple, base_shape, size, stride, offset, dtype, base, value):
         sub = value[tuple(slice(None) if j in kept else 0 for j in range(len(size)))]
         sub = jnp.transpose(sub, tuple(np.argsort(plan[2])))
         return base.at[_as_index(plan[1])].set(sub)
+    if kind == "reshaped":
+        return _write(plan[2], plan[1], size, stride, offset, dtype, base.reshape(plan[1]), value).reshape(base_shape)
     idx = _flat_index(size, stride, offset).reshape(-1)
     return base.reshape(-1).at[idx].set(value.reshape(-1)).reshape(base_shape)
 
@@ -248,7 +283,7 @@ def write(t: torch.Tensor, value: Any) -> None:
     size = tuple(t.shape)
     if t.dtype != st._dtype:
         prog = _alias_write_program(st._shape, st._dtype, t.dtype, size, tuple(t.stride()), t.storage_offset())
-        st._jx = execute(prog, base_array(st), value)
+        _replace(st, execute(prog, base_array(st), value))
         return
     jdt = _dtypes.to_jax(st._dtype)
     if (
@@ -258,10 +293,23 @@ def write(t: torch.Tensor, value: Any) -> None:
         and getattr(value, "dtype", None) == jdt
         and tuple(getattr(value, "shape", ())) == size
     ):
-        st._jx = value
+        _replace(st, value)
         return
     prog = _write_program(st._shape, size, tuple(t.stride()), t.storage_offset(), jdt)
-    st._jx = execute(prog, base_array(st), value)
+    _replace(st, execute(prog, base_array(st), value))
+
+
+def _replace(st: Any, value: Any) -> None:
+    """Stores ``value`` as the storage's new array. A pending value remembers which concrete array
+    the storage held before the trace (by id), so that a fused program can write it in that
+    array's donated buffer: a parameter updated in place keeps its memory."""
+    if type(value) is fused.Lazy:
+        old = st._jx
+        if type(old) is fused.Lazy:
+            value.replaces = id(old.value) if old.value is not None else old.replaces
+        elif old is not None:
+            value.replaces = id(old)
+    st._jx = value
 
 
 def set_base(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, value: Any) -> None:

@@ -46,7 +46,7 @@ class Recompile:
     reason: str
 
 
-_entries: dict[Any, Entry] = {}
+_entries: dict[Any, list[Entry]] = {}  # (trace, donated inputs) -> programs, by outputs kept
 _last_key_at_site: dict[Any, Any] = {}
 _site_recompiles: collections.Counter = collections.Counter()
 _warned_sites: set = set()
@@ -114,26 +114,41 @@ def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tupl
     return compiled, time.perf_counter() - t0
 
 
+def _choose(variants: list[Entry], want: list) -> Entry | None:
+    """Among the programs compiled for one trace, the one whose outputs are exactly those wanted,
+    else the smallest that has them all (a loop that reads the loss after some steps keeps the
+    gradients alive then, and must not make every other step write them out)."""
+    wanted = frozenset(want)
+    best = None
+    for e in variants:
+        if e.outputs == wanted:
+            return e
+        if e.outputs.issuperset(wanted) and (best is None or len(e.outputs) < len(best.outputs)):
+            best = e
+    return best
+
+
 def run_trace(
     key: Any, donate: tuple[int, ...], want: list, args: list, sites: list, flush_site: Any, reason: str
 ) -> tuple[list, dict]:
     """Runs one trace: a cached executable when its fingerprint matches, else a fresh compile.
     ``donate``: the positions of inputs whose buffers the program may reuse."""
     _stats["requests"] += 1
-    entry = _entries.get((key, donate))
-    if entry is None or not entry.outputs.issuperset(want):
-        outputs = sorted(set(want) | (entry.outputs if entry else set()))
+    variants = _entries.get((key, donate))
+    entry = _choose(variants, want) if variants else None
+    if entry is None:
+        outputs = list(want)  # its order pairs donated inputs with the outputs that replace them
         try:
             compiled, seconds = _build(key, donate, outputs, args)
         except Exception as e:
             raise _trace_error(e, key, sites) from e
         site = _site_key(flush_site, reason, key)
         previous = _last_key_at_site.get(site)
-        if previous is not None or entry is not None:
-            why = explain(previous, key, sites) if entry is None else "new outputs are kept alive"
+        if previous is not None or variants:
+            why = "other values are kept alive as outputs" if variants else explain(previous, key, sites)
             _record_recompile(site, why)
         _last_key_at_site[site] = key
-        entry = _entries[(key, donate)] = Entry(
+        entry = Entry(
             fingerprint=_fingerprint(key),
             ops=len(key),
             outputs=frozenset(outputs),
@@ -141,6 +156,7 @@ def run_trace(
             compiled=compiled,
             compile_seconds=seconds,
         )
+        _entries.setdefault((key, donate), []).append(entry)
         _stats["misses"] += 1
         _stats["compile_seconds"] += seconds
     else:
@@ -196,18 +212,24 @@ def _record_recompile(site: Any, why: str) -> None:
 
 
 def cache_stats() -> dict[str, Any]:
-    """Requests, hits, misses and compile seconds of fused traces, overall and per entry."""
+    """Requests, hits, misses and compile seconds of fused traces, overall and per entry. A
+    training step that ended (its trace waits for the next op) runs first, so it is counted."""
+    from torch_tpu.runtime import fused
+
+    fused.finish_step()
     return {
         **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in _stats.items()},
         "entries": [
             {
                 "fingerprint": e.fingerprint,
                 "ops": e.ops,
+                "outputs": len(e.outputs),
                 "hits": e.hits,
                 "compile_seconds": round(e.compile_seconds, 4),
                 "last_use": e.last_use,
             }
-            for e in _entries.values()
+            for variants in _entries.values()
+            for e in variants
         ],
     }
 
@@ -215,18 +237,24 @@ def cache_stats() -> dict[str, Any]:
 def reset_stats() -> None:
     """Zeroes the counters and the recompilation log (compiled entries stay)."""
     _stats.update(requests=0, hits=0, misses=0, compile_seconds=0.0)
-    for e in _entries.values():
-        e.hits = 0
+    for variants in _entries.values():
+        for e in variants:
+            e.hits = 0
     recompiles.clear()
     _site_recompiles.clear()
     _warned_sites.clear()
 
 
 def configure_persistent_cache() -> str | None:
-    """Points JAX's persistent compilation cache at the torch_tpu cache directory."""
+    """Points JAX's persistent compilation cache at the torch_tpu cache directory, in a folder per
+    number of CPU cores this process may use: XLA:CPU compiles its split of the work across threads
+    into the executable, and JAX's cache key does not hold it, so a program compiled under
+    ``taskset -c 0`` would otherwise run on one core in every later process."""
     where = os.environ.get("TORCH_TPU_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_tpu"))
     if where.lower() == "off":
         return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    where = os.path.join(where, f"cpus-{cores}")
     os.makedirs(where, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(

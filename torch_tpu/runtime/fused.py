@@ -57,13 +57,14 @@ class _Ref:
 class Lazy:
     """A value that a pending node will produce. ``value`` is set when the trace runs."""
 
-    __slots__ = ("node", "index", "value", "error", "shape", "dtype", "__weakref__")
+    __slots__ = ("node", "index", "value", "error", "shape", "dtype", "replaces", "__weakref__")
 
     def __init__(self, node: Node, index: int, aval: Any) -> None:
         self.node: Node | None = node
         self.index = index
         self.value: Any = None
         self.error: Exception | None = None
+        self.replaces: int | None = None  # id of the array this value replaces in its storage
         self.shape = tuple(aval.shape)
         self.dtype = aval.dtype
 
@@ -141,6 +142,8 @@ def _avals_for(program: Any, inputs: list) -> list:
 def record(program: Any, inputs: tuple) -> Any:
     """Records one program; returns placeholders for its outputs."""
     with _lock:
+        if _step_ended:
+            finish_step()
         ins: list = []
         for x in inputs:
             if type(x) is Lazy:
@@ -170,14 +173,25 @@ def concrete(x: Any) -> Any:
     return x.value
 
 
+_step_ended: list = []  # holds the optimizer step's user site once a step ended, until the trace runs
+
+
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """The end of an optimizer step ends a training step: the trace is dispatched (asynchronously)
-    so the device runs this step while Python records the next, and every step is the same
-    program whatever the loop reads on the host."""
+    """The end of an optimizer step ends a training step, so every step is the same program
+    whatever the loop reads on the host. The trace runs (asynchronously) at the next recorded op,
+    so the device runs this step while Python records the next; by then ``zero_grad`` has
+    dropped the gradients, which are then no longer outputs of the program."""
     from torch_tpu.runtime import executor
 
-    if executor.recording() and _pending:
-        flush(reason="optimizer step")
+    if executor.recording() and _pending and not _step_ended:
+        _step_ended.append(user_site())
+
+
+def finish_step() -> None:
+    """Runs the trace of a training step that ended, if one waits for the next op."""
+    with _lock:
+        if _step_ended:
+            flush(reason="optimizer step", site=_step_ended.pop())
 
 
 _hook: list[Any] = []  # the handle of the registered optimizer post-hook, while fused mode is on
@@ -200,6 +214,8 @@ def begin_graph(graph: int, inputs: list) -> None:
     the same program and the device runs it while Python starts the next; and when the graph reads
     nothing pending, so that unrelated calls (inference on varying shapes) never share a program."""
     with _lock:
+        if _step_ended:
+            finish_step()
         if _pending:
             if graph in _graphs:
                 flush(reason="compiled graph repeats")
@@ -253,9 +269,31 @@ def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]
     return tuple(sorted(donate))
 
 
-def flush(reason: str = "sync") -> None:
-    """Compiles (or finds in the cache) and runs the pending trace."""
+def _paired(want: list, live: list, position: dict, args: list, donate: tuple) -> list:
+    """The outputs in program order: first, in the order of the donated inputs, the value that
+    replaces each donated array in its storage, then the rest by trace position. JAX aliases a
+    donated input with the first unclaimed output of its shape and dtype, so this makes a
+    parameter's update write over the parameter itself rather than, say, over its gradient, which
+    would make XLA copy the parameter to keep it for the update."""
+    by_replaced: dict[int, tuple[int, int]] = {}
+    for r in live:
+        if r.node is not None and r.replaces is not None:
+            by_replaced[r.replaces] = (position[id(r.node)], r.index)
+    first: list = []
+    taken: set = set()
+    for p in donate:
+        o = by_replaced.get(id(args[p]))
+        if o is not None and o not in taken:
+            first.append(o)
+            taken.add(o)
+    return first + [o for o in want if o not in taken]
+
+
+def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
+    """Compiles (or finds in the cache) and runs the pending trace. ``site``: the user's line that
+    ended it, when not the caller's."""
     with _lock:
+        _step_ended.clear()
         if not _pending:
             return
         nodes = list(_pending)
@@ -290,8 +328,11 @@ def flush(reason: str = "sync") -> None:
         sites = [n.site for n in nodes]
         x = n = None  # drop the loop's references before counting them
         donate = _donatable(args, wiring_all, [nodes[i].avals[j] for i, j in want])
+        want = _paired(want, live, position, args, donate)
         try:
-            values, slots = cache.run_trace(tuple(wiring_all), donate, want, args, sites, user_site(), reason)
+            values, slots = cache.run_trace(
+                tuple(wiring_all), donate, want, args, sites, site or user_site(), reason
+            )
         except Exception as e:  # the trace is dropped; its tensors say why when read
             for r in live:
                 r.error, r.node = e, None

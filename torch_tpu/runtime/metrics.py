@@ -36,7 +36,10 @@ def reset() -> None:
 
 
 def metrics() -> dict[str, Any]:
-    """A snapshot of the counters as plain dicts."""
+    """A snapshot of the counters as plain dicts (a training step that ended runs first)."""
+    from torch_tpu.runtime import fused
+
+    fused.finish_step()
     return {
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
