@@ -438,11 +438,32 @@ def _decompositions() -> dict:
     return {op: fn for op, fn in core_aten_decompositions().items() if op not in LOWERINGS}
 
 
+def _no_inductor_for_optimizer_guards() -> None:
+    """Dynamo asks, for every tensor an optimizer holds, whether CUDA graphs keep its address; to
+    ask, it imports Inductor's CUDA-graph trees (0.7 s on this machine, a third of a small model's
+    first compiled step), even for a tensor that is not on CUDA, whose answer is always yes. The
+    question is answered without the import for those tensors; CUDA tensors still go to torch."""
+    try:
+        from torch._dynamo.variables import optimizer as dynamo_optimizer
+    except ImportError:
+        return
+    original = getattr(dynamo_optimizer, "_is_static_for_cudagraphs", None)
+    if original is None or getattr(original, "_tpu_answered", False):
+        return
+
+    def is_static_for_cudagraphs(x: torch.Tensor) -> bool:
+        return original(x) if x.is_cuda else True
+
+    is_static_for_cudagraphs._tpu_answered = True  # type: ignore[attr-defined]
+    dynamo_optimizer._is_static_for_cudagraphs = is_static_for_cudagraphs
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """The Dynamo backend registered as ``"tpu"``."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     skip_our_frames()
+    _no_inductor_for_optimizer_guards()
     return aot_module_simplified(
         gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
         keep_inference_input_mutations=True,
