@@ -5,10 +5,11 @@ Python numbers (runtime arguments, so a changing learning rate never recompiles)
 to earlier nodes' outputs. A node's outputs are :class:`Lazy` placeholders; storages hold them
 in place of arrays.
 
-At a sync point (a host read, ``torch_tpu.sync()``, a mode switch, or the length cap) the
-pending nodes become one function, jitted and cached under their fingerprint
-(:mod:`torch_tpu.runtime.cache`). Its outputs are exactly the placeholders still alive, ordered
-by position in the trace, so the program does not depend on when the garbage collector ran.
+At a sync point (a host read, ``torch_tpu.sync()``, a mode switch, the length cap, or the first
+op recorded after an optimizer step) the pending nodes become one function, jitted and cached
+under their fingerprint (:mod:`torch_tpu.runtime.cache`). Its outputs are exactly the
+placeholders still alive, ordered by position in the trace (donated inputs' replacements first),
+so the program does not depend on when the garbage collector ran.
 
 Nodes refer to earlier outputs by (node, index), never by the placeholder itself, so a
 placeholder dies with the last tensor that used it and intermediates stay inside the program.
