@@ -12,8 +12,9 @@ DataLoader), next to the same step written by hand in the same mode (``train``),
 count in ``--devices``. On XLA:CPU, counts above the host's devices use virtual CPU devices
 (``--xla_force_host_platform_device_count``): the run re-executes itself with that flag.
 
-``train``: steps per second (best of three timed windows, compile excluded) and the first-step
-time, as one JSON line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
+``train``: steps per second (best of three timed windows, compile excluded), the first-step
+time and the process CPU milliseconds per step (every thread, over the three windows), as one JSON
+line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
 prints a table.
 
 ``dispatch``: median microseconds per op for small ops (add, mul, matmul on 64x64 and an
@@ -91,16 +92,19 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
             step()
         float(step().detach().to("cpu"))
         best = 0.0
+        cpu0 = time.process_time()
         for _ in range(3):
             t = time.perf_counter()
             for _ in range(steps):
                 loss = step()
             final = float(loss.detach().to("cpu"))  # a host read ends the window's queued work
             best = max(best, steps / (time.perf_counter() - t))
+        # every thread of the process: XLA:CPU's and Python's compete for the same cores
+        cpu_ms = (time.process_time() - cpu0) / (3 * steps) * 1e3
     finally:
         torch_tpu.set_eager_mode("strict")
     return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
-            "final_loss": round(final, 5), "platform": torch_tpu.platform()}
+            "cpu_ms_per_step": round(cpu_ms, 2), "final_loss": round(final, 5), "platform": torch_tpu.platform()}
 
 
 def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 3) -> dict:
@@ -190,9 +194,9 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         if a.compare:
-            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s}")
+            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'CPU ms/step':>12s}")
             for r in rows:
-                print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f}")
+                print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f} {r['cpu_ms_per_step']:12.2f}")
     if a.cmd == "dispatch":
         r = dispatch(a.n)
         print(json.dumps(r))
