@@ -75,6 +75,7 @@ def dispatch(n: int) -> dict:
 def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
     from torch_tpu.bench import workloads
 
+    previous = torch_tpu.get_eager_mode()
     if mode == "cpu":
         dev = "cpu"
     else:
@@ -102,7 +103,7 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         # every thread of the process: XLA:CPU's and Python's compete for the same cores
         cpu_ms = (time.process_time() - cpu0) / (3 * steps) * 1e3
     finally:
-        torch_tpu.set_eager_mode("strict")
+        torch_tpu.set_eager_mode(previous)
     return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
             "cpu_ms_per_step": round(cpu_ms, 2), "final_loss": round(final, 5), "platform": torch_tpu.platform()}
 
