@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import torch
 
 from torch_tpu import _dtypes, _rng
-from torch_tpu._storage import base_array, is_tpu, new_tensor, read, read_view, set_base, write
+from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
 from torch_tpu.runtime import executor, metrics
 from torch_tpu.runtime.executor import Program, execute
@@ -69,7 +69,7 @@ STATIC, FLOATS = 0, 1
 def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
     """The signature of one argument, appending its runtime inputs to ``dyn``."""
     if isinstance(a, torch.Tensor):
-        if a.device.type == "tpu":
+        if a.device == TPU_DEVICE:
             st = a.untyped_storage()
             size = tuple(a.shape)
             dtype = a.dtype
