@@ -123,6 +123,9 @@ def test_compiled_whole_training_step(capturable):
         torch.testing.assert_close(lt.detach().cpu(), lc.detach(), rtol=RTOL, atol=ATOL)
     for a, b in zip(mc.parameters(), mt.parameters()):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
+        step_count = ot.state[b]["step"]
+        assert step_count.device.type == ("tpu" if capturable else "cpu")
+        assert float(step_count.cpu()) == float(oc.state[a]["step"]) == 6.0
 
 
 def test_compiled_step_runs_as_one_program_per_step():

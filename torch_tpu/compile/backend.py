@@ -298,18 +298,41 @@ def _host_part(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], dict[int,
     return [n for n in host if n in needed], outs, mutations
 
 
-def _run_host(gm: torch.fx.GraphModule, host: list[torch.fx.Node], outs: dict[int, torch.fx.Node],
-              args: list) -> dict[int, Any]:
-    """Runs the host nodes with torch on the CPU (mutations in place); returns the host outputs."""
-    env: dict[torch.fx.Node, Any] = {}
+def _host_program(gm: torch.fx.GraphModule, host: list[torch.fx.Node],
+                  outs: dict[int, torch.fx.Node]) -> Callable[[list], dict[int, Any]]:
+    """The host nodes as one straight-line function (torch's FX code generation), which takes the
+    graph's inputs and returns the host outputs by output position; mutations happen in place.
+    Interpreting the nodes one by one cost AdamW's 59 (29 step counters) 0.35 ms per step."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n, a in zip(placeholders, args):
-        env[n] = a
-    val = functools.partial(_value, env)
+    read = {a for n in host for a in n.all_input_nodes if a.op == "placeholder"}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    positions = []
+    for i, p in enumerate(placeholders):
+        if p in read:
+            env[p] = graph.placeholder(p.name)
+            positions.append(i)
+    # the epilogue that writes the new values into mutated inputs: one foreach copy, not one op each
+    tail = len(host)
+    while tail and host[tail - 1].target is torch.ops.aten.copy_.default and not host[tail - 1].users:
+        tail -= 1
+    for n in host[:tail]:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    copies = host[tail:]
+    if len(copies) > 1 and all(not c.kwargs for c in copies):
+        graph.call_function(torch.ops.aten._foreach_copy_.default,
+                            ([env[c.args[0]] for c in copies], [env[c.args[1]] for c in copies]))
+    else:
+        for n in copies:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    keys = list(outs)
+    graph.output(tuple(env[outs[i]] for i in keys))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
 
-    for n in host:
-        env[n] = n.target(*val(n.args), **{k: val(v) for k, v in n.kwargs.items()})
-    return {i: env[n] for i, n in outs.items()}
+    def run(args: list) -> dict[int, Any]:
+        return dict(zip(keys, module(*[args[i] for i in positions])))
+
+    return run
 
 
 def _static_avals(metas: list) -> list | None:
@@ -333,7 +356,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
     avals = _static_avals(out_metas + [placeholders[i].meta.get("val") for i in mutated]
                           + [meta for _, meta in fn.checks])
-    run_host = bool(host_outs or host_mutations)
+    run_host = _host_program(gm, host_nodes, host_outs) if host_outs or host_mutations else None
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
     graph_id = id(cache)
@@ -363,7 +386,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if executor.recording():
             fused.begin_graph(graph_id, arrays)
         # after the inputs are read: the host part updates CPU inputs in place
-        host_results = _run_host(gm, host_nodes, host_outs, args) if run_host else {}
+        host_results = run_host(args) if run_host is not None else {}
         targets = [args[i] for i in mutated]
         args.clear()  # the boxed calling convention: free inputs as soon as possible
         program = cache.get(tuple(key))
