@@ -31,7 +31,7 @@ import torch
 import torch._decomp
 
 from torch_tpu import _dtypes, _rng
-from torch_tpu._storage import is_tpu, new_tensor, read, write
+from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import checks as value_checks
@@ -369,9 +369,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         arrays, key = [], []
         for a in args:
             if isinstance(a, torch.Tensor):
-                if is_tpu(a):
-                    arrays.append(read(a))
-                elif a.dim() == 0:
+                if a.device == TPU_DEVICE:
+                    size, dtype = tuple(a.shape), a.dtype
+                    st = a.untyped_storage()
+                    if dtype is st._dtype and size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
+                        arrays.append(base_array(st))  # the whole storage: most inputs (weights, states)
+                    else:
+                        arrays.append(read(a))
+                    key.append((size, dtype))
+                    continue
+                if a.dim() == 0:
                     # a copy: XLA:CPU may alias host memory, and the program runs after AOTAutograd
                     # has written the new value into this tensor (an optimizer's step counter)
                     arrays.append(_dtypes.cpu_to_numpy(a).copy())
