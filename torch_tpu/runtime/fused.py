@@ -231,9 +231,16 @@ def pending_count() -> int:
     return len(_pending)
 
 
+_one_device: list[bool] = []  # whether the process has a single device (then every layout is None)
+
+
 def _layout(x: Any) -> Any:
     """An input's sharding when it spans several devices: part of the trace's fingerprint, since a
     compiled program accepts only the shardings it was compiled for. None on one device."""
+    if not _one_device:
+        _one_device.append(jax.device_count() == 1)
+    if _one_device[0]:
+        return None
     sharding = getattr(x, "sharding", None)
     if sharding is None or type(sharding) is _SingleDevice:
         return None
@@ -243,15 +250,11 @@ def _layout(x: Any) -> Any:
 _SingleDevice = jax.sharding.SingleDeviceSharding
 
 
-def _donatable(args: list, wiring_all: list, out_avals: list) -> tuple[int, ...]:
+def _donatable(args: list, uses: dict[int, int], out_avals: list) -> tuple[int, ...]:
     """Inputs that nothing outside this trace still holds (a parameter whose storage now points at
     the updated value): XLA may write the outputs into their buffers. Only inputs with an output of
-    the same shape and dtype are offered, so no donation goes unused."""
-    uses: dict[int, int] = {}
-    for _, wiring in wiring_all:
-        for w in wiring:
-            if w[0] == "a":
-                uses[w[1]] = uses.get(w[1], 0) + 1
+    the same shape and dtype are offered, so no donation goes unused. ``uses``: how many recorded
+    inputs name each array argument."""
     free: dict[tuple, int] = {}
     for a in out_avals:
         k = (tuple(a.shape), a.dtype)
@@ -312,6 +315,7 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
         args: list = []
         descs: dict[int, tuple] = {}  # per array input: ("a", position, shape, dtype, layout), shared by its uses
         arg_pos: dict[int, int] = {}
+        uses: dict[int, int] = {}  # per array argument, how many recorded inputs name it
         wiring_all = []
         for n in nodes:
             wiring = []
@@ -328,13 +332,18 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
                     if p is None:
                         p = arg_pos[k] = len(args)
                         args.append(x)
-                        descs[p] = ("a", p, tuple(np.shape(x)), x.dtype, _layout(x))
+                        shape = getattr(x, "shape", None)  # an attribute read: np.shape costs 4 times more
+                        shape = tuple(shape) if shape is not None else tuple(np.shape(x))
+                        descs[p] = ("a", p, shape, x.dtype, _layout(x))
+                        uses[p] = 1
+                    else:
+                        uses[p] += 1
                     wiring.append(descs[p])
             wiring_all.append((n.program, tuple(wiring)))
         want = sorted({(position[id(r.node)], r.index) for r in live if r.node is not None})
         sites = [n.site for n in nodes]
         x = n = None  # drop the loop's references before counting them
-        donate = _donatable(args, wiring_all, [nodes[i].avals[j] for i, j in want])
+        donate = _donatable(args, uses, [nodes[i].avals[j] for i, j in want])
         want = _paired(want, live, position, args, donate)
         try:
             values, slots = cache.run_trace(
