@@ -18,6 +18,7 @@ that Dynamo passes as integer inputs are compile-time constants.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import operator
 import time
@@ -475,24 +476,34 @@ def _decompositions() -> dict:
     return {op: fn for op, fn in table.items() if op not in LOWERINGS}
 
 
+def _replace_in_torch(module: str, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replaces torch's ``module.name`` by ``wrap(original)``, once. Where a torch version lacks
+    it, nothing is replaced: these are shortcuts, never needed for correct results."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    original = getattr(mod, name, None)
+    if original is None or getattr(original, "_tpu_answered", False):
+        return
+    replacement = wrap(original)
+    replacement._tpu_answered = True  # type: ignore[attr-defined]
+    setattr(mod, name, replacement)
+
+
 def _no_inductor_for_optimizer_guards() -> None:
     """Dynamo asks, for every tensor an optimizer holds, whether CUDA graphs keep its address; to
     ask, it imports Inductor's CUDA-graph trees (0.7 s on this machine, a third of a small model's
     first compiled step), even for a tensor that is not on CUDA, whose answer is always yes. The
     question is answered without the import for those tensors; CUDA tensors still go to torch."""
-    try:
-        from torch._dynamo.variables import optimizer as dynamo_optimizer
-    except ImportError:
-        return
-    original = getattr(dynamo_optimizer, "_is_static_for_cudagraphs", None)
-    if original is None or getattr(original, "_tpu_answered", False):
-        return
 
-    def is_static_for_cudagraphs(x: torch.Tensor) -> bool:
-        return original(x) if x.is_cuda else True
+    def wrap(original: Callable) -> Callable:
+        def is_static_for_cudagraphs(x: torch.Tensor) -> bool:
+            return original(x) if x.is_cuda else True
 
-    is_static_for_cudagraphs._tpu_answered = True  # type: ignore[attr-defined]
-    dynamo_optimizer._is_static_for_cudagraphs = is_static_for_cudagraphs
+        return is_static_for_cudagraphs
+
+    _replace_in_torch("torch._dynamo.variables.optimizer", "_is_static_for_cudagraphs", wrap)
 
 
 def _no_guard_latency_profile() -> None:
@@ -500,21 +511,16 @@ def _no_guard_latency_profile() -> None:
     ``guard_latency_us`` compile metric, first flushing the CPU caches to time them cold: 15 ms per
     frame here, a tenth of a small model's first compiled step. Once the tpu backend is in use, the
     timing runs only while Dynamo's guard log is on at debug level; otherwise the metric reads 0."""
-    try:
-        from torch._dynamo import guards
-    except ImportError:
-        return
-    original = getattr(guards, "profile_guard_manager", None)
-    if original is None or getattr(original, "_tpu_answered", False):
-        return
 
-    def profile_guard_manager(root: Any, scope: Any, n_iters: int) -> float:
-        if guards.guards_log.isEnabledFor(logging.DEBUG):
-            return original(root, scope, n_iters)
-        return 0.0
+    def wrap(original: Callable) -> Callable:
+        from torch._dynamo.guards import guards_log
 
-    profile_guard_manager._tpu_answered = True  # type: ignore[attr-defined]
-    guards.profile_guard_manager = profile_guard_manager
+        def profile_guard_manager(root: Any, scope: Any, n_iters: int) -> float:
+            return original(root, scope, n_iters) if guards_log.isEnabledFor(logging.DEBUG) else 0.0
+
+        return profile_guard_manager
+
+    _replace_in_torch("torch._dynamo.guards", "profile_guard_manager", wrap)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
