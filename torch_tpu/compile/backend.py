@@ -32,7 +32,7 @@ import torch
 import torch._decomp
 
 from torch_tpu import _dtypes, _rng
-from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, write
+from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import checks as value_checks
@@ -305,12 +305,12 @@ def _host_program(gm: torch.fx.GraphModule, host: list[torch.fx.Node],
     graph's inputs and returns the host outputs by output position; mutations happen in place.
     Interpreting the nodes one by one cost AdamW's 59 (29 step counters) 0.35 ms per step."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    read = {a for n in host for a in n.all_input_nodes if a.op == "placeholder"}
+    inputs_read = {a for n in host for a in n.all_input_nodes if a.op == "placeholder"}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     positions = []
     for i, p in enumerate(placeholders):
-        if p in read:
+        if p in inputs_read:
             env[p] = graph.placeholder(p.name)
             positions.append(i)
     # the epilogue that writes the new values into mutated inputs: one foreach copy, not one op each
@@ -371,15 +371,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         for a in args:
             if isinstance(a, torch.Tensor):
                 if a.device == TPU_DEVICE:
-                    size, dtype = tuple(a.shape), a.dtype
-                    st = a.untyped_storage()
-                    if dtype is st._dtype and size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
-                        arrays.append(base_array(st))  # the whole storage: most inputs (weights, states)
-                    else:
-                        arrays.append(read(a))
-                    key.append((size, dtype))
-                    continue
-                if a.dim() == 0:
+                    arrays.append(read(a))
+                elif a.dim() == 0:
                     # a copy: XLA:CPU may alias host memory, and the program runs after AOTAutograd
                     # has written the new value into this tensor (an optimizer's step counter)
                     arrays.append(_dtypes.cpu_to_numpy(a).copy())
