@@ -15,5 +15,7 @@ def test_train_reports_speed_cpu_time_and_the_cpu_loss(mode):
     reference = train("mlp", "cpu", steps=2, warmup=2)
     assert torch_tpu.get_eager_mode() is before  # the mode in force is given back
     assert ours["steps_per_s"] > 0 and ours["first_step_s"] > 0 and ours["cpu_ms_per_step"] > 0
+    # the first step built the step's program: its compile seconds are part of its time
+    assert 0 < ours["compile_s"] < ours["first_step_s"]
     # the same steps from the same weights: the final losses agree with CPU PyTorch's
     assert ours["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4, abs=1e-5)

@@ -13,7 +13,9 @@ count in ``--devices``. On XLA:CPU, counts above the host's devices use virtual 
 (``--xla_force_host_platform_device_count``): the run re-executes itself with that flag.
 
 ``train``: steps per second (best of three timed windows, compile excluded), the first-step
-time and the process CPU milliseconds per step (every thread, over the three windows), as one JSON
+time, the part of it spent building XLA programs (``compile_s``: lowering and XLA's compile; the
+rest is tracing, Dynamo's and AOTAutograd's under ``torch.compile``, and running) and the process
+CPU milliseconds per step (every thread, over the three windows), as one JSON
 line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
 prints a table.
 
@@ -72,6 +74,12 @@ def dispatch(n: int) -> dict:
             "shape": [64, 64], "ops": results}
 
 
+def _compile_seconds() -> float:
+    """Seconds spent so far building XLA programs: lowering to JAX and XLA's compile (or its load
+    from the persistent cache), for fused traces and compiled graphs and for per-op programs."""
+    return torch_tpu.cache_stats()["compile_seconds"] + torch_tpu.metrics()["compile_seconds"]
+
+
 def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
     from torch_tpu.bench import workloads
 
@@ -86,9 +94,11 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         if mode == "compile":
             torch._dynamo.reset()
             step = torch.compile(step, backend="tpu")
+        compiled0 = _compile_seconds()
         t0 = time.perf_counter()
         float(step().detach().to("cpu"))
         first = time.perf_counter() - t0
+        compile_s = _compile_seconds() - compiled0
         for _ in range(warmup - 1):
             step()
         float(step().detach().to("cpu"))
@@ -105,7 +115,8 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
     finally:
         torch_tpu.set_eager_mode(previous)
     return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
-            "cpu_ms_per_step": round(cpu_ms, 2), "final_loss": round(final, 5), "platform": torch_tpu.platform()}
+            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2), "final_loss": round(final, 5),
+            "platform": torch_tpu.platform()}
 
 
 def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 3) -> dict:
@@ -195,9 +206,10 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         if a.compare:
-            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'CPU ms/step':>12s}")
+            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'compile s':>10s} {'CPU ms/step':>12s}")
             for r in rows:
-                print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f} {r['cpu_ms_per_step']:12.2f}")
+                print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f} {r['compile_s']:10.2f} "
+                      f"{r['cpu_ms_per_step']:12.2f}")
     if a.cmd == "dispatch":
         r = dispatch(a.n)
         print(json.dumps(r))
