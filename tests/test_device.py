@@ -120,3 +120,43 @@ def test_streams_and_events_like_cuda():
     torch.testing.assert_close(y.cpu(), torch.full((64, 64), 64.0))
     with pytest.raises(RuntimeError, match="enable_timing"):
         torch.tpu.Event().elapsed_time(end)
+
+
+_LATE_IMPORT_SCRIPT = """
+import warnings
+import torch
+torch.ones(1, requires_grad=True).sum().backward()  # the autograd engine starts before torch_tpu exists
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch_tpu
+print(sum("before torch_tpu was imported" in str(w.message) for w in caught))
+x = torch.ones(2, device="tpu", requires_grad=True)
+try:
+    x.sum().backward()
+    print("backward ran")
+except RuntimeError:
+    print("backward failed")
+"""
+
+
+def test_import_after_a_backward_pass_warns():
+    """PyTorch's autograd engine makes its per-device threads at the process's first backward. A
+    backward before ``import torch_tpu`` leaves it without one for tpu: the import says so, rather
+    than a later backward failing on an internal assert that asks for a PyTorch bug report."""
+    import os
+    import subprocess
+    import sys
+    import warnings
+
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": "off", "TORCH_TPU_PLATFORM": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _LATE_IMPORT_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["1", "backward failed"], out.stdout
+    # imported first (as here), the engine has a tpu thread: no warning, and backward works
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_tpu._device.check_autograd_engine()
+    x = torch.ones(2, device="tpu", requires_grad=True)
+    (x * 3).sum().backward()
+    assert x.grad.cpu().tolist() == [3.0, 3.0]

@@ -49,6 +49,7 @@ from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
+_device.check_autograd_engine()
 _fused.step_boundary(get_eager_mode() is EagerMode.FUSED)
 
 

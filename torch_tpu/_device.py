@@ -218,3 +218,46 @@ def register() -> None:
     _setup_privateuseone_for_python_backend(
         "tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard()
     )
+
+
+class _EngineProbe(torch.autograd.Function):
+    """An identity whose backward runs on the tpu device's autograd thread, on an empty tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        from torch_tpu._storage import new_tensor
+
+        return new_tensor(tuple(x.shape), x.dtype)  # no device work: nothing reads it
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def check_autograd_engine() -> None:
+    """Warns when PyTorch's autograd engine has no thread for tpu tensors.
+
+    The engine sizes its per-device threads once, at the first backward pass of the process, from
+    the device types registered then. A backward that ran before ``import torch_tpu`` (a CPU model,
+    a notebook cell) leaves it without a tpu queue, and every later backward through tpu tensors
+    fails deep in the engine with an internal assert that asks for a PyTorch bug report. A probe
+    backward over an empty tensor (no device work) finds out here, where the warning can say what
+    to do instead."""
+    import warnings
+
+    from torch_tpu._storage import new_tensor
+
+    x = new_tensor((0,), torch.float32).requires_grad_()
+    try:
+        torch.autograd.grad(_EngineProbe.apply(x), x, new_tensor((0,), torch.float32))
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        warnings.warn(
+            "tpu: a backward pass ran in this process before torch_tpu was imported, so PyTorch's autograd "
+            "engine has no thread for the tpu device and backward() through tpu tensors will fail with an "
+            "internal assert. Import torch_tpu before the first backward() (at the top of the script), or "
+            "restart the process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
