@@ -201,6 +201,64 @@ def test_mark_dynamic():
         torch.testing.assert_close(f(xt).cpu(), (x.relu() + 1).sum(0))
 
 
+def test_training_with_dynamic_shapes_matches_cpu():
+    """A smaller batch makes Dynamo retrace with a symbolic batch size (automatic dynamic shapes);
+    AOTAutograd then saves that size for the backward, as a number the forward returns."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    mt = copy.deepcopy(m).to("tpu")
+    f = torch.compile(mt, backend="tpu")
+    for n in (8, 8, 12, 5):
+        x = torch.randn(n, 8)
+        lt = f(x.to("tpu")).pow(2).mean()
+        lt.backward()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        torch.testing.assert_close(lt.detach().cpu(), loss.detach(), rtol=RTOL, atol=ATOL)
+        for a, b in zip(m.parameters(), mt.parameters()):
+            torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_compiled_step_moves_its_cpu_batch():
+    """``x.to("tpu")`` inside the compiled function: the CPU batch is a graph input."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    mt = copy.deepcopy(m).to("tpu")
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (m, mt)]
+    x = torch.randn(5, 8)
+
+    def step(net, opt, dev):
+        opt.zero_grad()
+        loss = net(x.to(dev)).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    compiled = torch.compile(step, backend="tpu")
+    for _ in range(3):
+        lt, loss = compiled(mt, opts[1], "tpu"), step(m, opts[0], "cpu")
+        torch.testing.assert_close(lt.detach().cpu(), loss.detach(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(m.parameters(), mt.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
+    # used on tpu without the move, a CPU tensor is refused, as eagerly
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.compile(lambda a, b: a + b, backend="tpu")(torch.ones(3), torch.ones(3, device="tpu"))
+
+
+def test_compile_modes_and_options():
+    """torch.compile hands ``mode`` and ``options`` to the backend: every mode compiles the same
+    program; inductor's options mean nothing here and raise rather than be ignored."""
+    x = torch.randn(4, 3)
+    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        f = torch.compile(lambda t: (t.sin() * 2).sum(0), backend="tpu", mode=mode)
+        torch.testing.assert_close(f(x.to("tpu")).cpu(), (x.sin() * 2).sum(0), rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match="unrecognized mode='fastest'"):
+        torch.compile(lambda t: t * 3, backend="tpu", mode="fastest")(x.to("tpu"))
+    with pytest.raises(RuntimeError, match=r"takes no options \(got \['triton.cudagraphs'\]"):
+        torch.compile(lambda t: t * 4, backend="tpu", options={"triton.cudagraphs": True})(x.to("tpu"))
+
+
 def test_with_effects_linalg_in_graph():
     # linalg.inv/cholesky check their info with a side-effecting op: AOTAutograd wraps it in
     # with_effects(token, op, ...). The graph returns info, checked like a device-side assert.

@@ -350,10 +350,44 @@ def _static_avals(metas: list) -> list | None:
     return avals
 
 
+def _size_symbols(placeholders: list[torch.fx.Node]) -> dict[Any, tuple[int, int | None]]:
+    """Where each symbolic size of a dynamic-shape graph comes from: (input position, None) for a
+    symbolic int input, (input position, dim) for a tensor input's symbolic dimension."""
+    where: dict[Any, tuple[int, int | None]] = {}
+    for i, p in enumerate(placeholders):
+        v = p.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            where.setdefault(v.node.expr, (i, None))
+        elif isinstance(v, torch.Tensor):
+            for d, n in enumerate(v.shape):
+                if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                    where.setdefault(n.node.expr, (i, d))
+    return where
+
+
+def _scalar_output(value: Any, meta: Any, key: list, symbols: dict) -> Any:
+    """A graph output that is a number, not a tensor: a symbolic size AOTAutograd saves for the
+    backward of a dynamic-shape graph. Worked out on the host from the sizes of this call, so the
+    step's trace need not run (and wait for the device) to know it; a value the sizes cannot give
+    comes from the program."""
+    if not isinstance(meta, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return meta if isinstance(meta, (int, float, bool)) else value
+    if type(value) is not fused.Lazy:
+        return value.item() if isinstance(value, jax.Array) else value
+    import sympy
+
+    sizes = {s: sympy.Integer(key[i] if d is None else key[i][0][d]) for s, (i, d) in symbols.items()}
+    expr = meta.node.expr.xreplace(sizes)
+    if expr.is_number:
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(meta)](expr)
+    return fused.concrete(value).item()
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbols = _size_symbols(placeholders)
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
     avals = _static_avals(out_metas + [placeholders[i].meta.get("val") for i in mutated]
                           + [meta for _, meta in fn.checks])
@@ -372,15 +406,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             if isinstance(a, torch.Tensor):
                 if a.device == TPU_DEVICE:
                     arrays.append(read(a))
-                elif a.dim() == 0:
-                    # a copy: XLA:CPU may alias host memory, and the program runs after AOTAutograd
-                    # has written the new value into this tensor (an optimizer's step counter)
-                    arrays.append(_dtypes.cpu_to_numpy(a).copy())
                 else:
-                    raise RuntimeError(
-                        f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
-                        f"{a.device}!"
-                    )
+                    # a CPU tensor: an optimizer's step counter, or a batch the graph moves to tpu
+                    # (torch's trace already refused one used on tpu without a move). A copy: XLA:CPU
+                    # may alias host memory, and the program runs after AOTAutograd has written the
+                    # new value into this tensor (the step counter)
+                    arrays.append(_dtypes.cpu_to_numpy(a).copy())
                 key.append((tuple(a.shape), a.dtype))
             else:
                 key.append(a)
@@ -426,7 +457,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             elif isinstance(meta, torch.Tensor):
                 results.append(new_tensor(tuple(o.shape), meta.dtype, o) if o is not None else None)
             else:
-                results.append(o if not isinstance(o, jax.Array) else o.item())
+                results.append(_scalar_output(o, meta, key, symbols))
         return results
 
     run._boxed_call = True  # AOTAutograd passes a list it may clear
@@ -516,9 +547,27 @@ def _no_guard_latency_profile() -> None:
     _replace_in_torch("torch._dynamo.guards", "profile_guard_manager", wrap)
 
 
-def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """The Dynamo backend registered as ``"tpu"``."""
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
+                options: dict | None = None) -> Callable:
+    """The Dynamo backend registered as ``"tpu"``.
+
+    ``torch.compile`` passes its ``mode`` and ``options`` on to the backend. Every mode compiles the
+    same XLA program: XLA makes its own fusion and tuning choices, and there are no CUDA graphs to
+    capture. ``options`` are inductor's settings; none means anything here, so they raise rather
+    than be ignored."""
     from torch._functorch.aot_autograd import aot_module_simplified
+
+    if mode is not None and mode not in _MODES:
+        raise RuntimeError(f"torch.compile(backend='tpu'): unrecognized mode={mode!r}, should be one of: "
+                           f"{', '.join(_MODES)}")
+    if options:
+        raise NotImplementedError(
+            f"torch.compile(backend='tpu'): the tpu backend takes no options (got {sorted(options)}, which are "
+            "inductor's); leave options unset"
+        )
 
     skip_our_frames()
     _no_inductor_for_optimizer_guards()
