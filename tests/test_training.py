@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -112,6 +113,77 @@ def test_optimizers_match_cpu(name, foreach):
     lc = run_steps(mc, cls(mc.parameters(), **kw), "cpu")
     lt = run_steps(mt, cls(mt.parameters(), **kw), "tpu")
     torch.testing.assert_close(lt, lc, rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_fused_optimizers_match_cpu(name):
+    """``fused=True`` (PyTorch's single-kernel optimizers) updates lists of tensors in place: the
+    kernels have no lowering and run on CPU, counted, and every list comes back to tpu."""
+    cls = getattr(torch.optim, name)
+    kw = {**OPTIMIZERS[name], "fused": True}
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    before = torch_tpu.metrics()["fallback_counts"].get(f"aten._fused_{name.lower()}_.default", 0)
+    with pytest.warns(UserWarning, match="has no lowering") if before == 0 else contextlib.nullcontext():
+        lt = run_steps(mt, cls(mt.parameters(), **kw), "tpu")
+    lc = run_steps(mc, cls(mc.parameters(), **kw), "cpu")
+    torch.testing.assert_close(lt, lc, rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+    assert torch_tpu.metrics()["fallback_counts"][f"aten._fused_{name.lower()}_.default"] > before
+
+
+def test_grad_scaler_ops_match_cpu():
+    """The two in-place ops of ``torch.amp.GradScaler``, eagerly and in a compiled graph."""
+    grads = [torch.randn(3), torch.tensor([1.0, float("inf")]), torch.randn(2, 2).half(), torch.randn(4).bfloat16()]
+
+    def unscale(gs, found, inv):
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
+        return gs, found
+
+    def update(scale, tracker, found):
+        return torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2), tracker
+
+    for run in (lambda f: f, lambda f: torch.compile(f, backend="tpu")):
+        for subset in (grads, grads[:1] + grads[2:]):  # with and without an inf
+            want = unscale([g.clone() for g in subset], torch.zeros(()), torch.tensor(0.25))
+            got = run(unscale)([g.to("tpu") for g in subset], torch.zeros((), device="tpu"),
+                               torch.tensor(0.25, device="tpu"))
+            for a, b in zip(want[0] + [want[1]], got[0] + [got[1]]):
+                assert_same(b, a, rtol=0, atol=0)
+        scale, tracker = torch.tensor(1024.0), torch.tensor(0, dtype=torch.int32)
+        scale_t, tracker_t = scale.to("tpu"), tracker.to("tpu")
+        for found in (0.0, 0.0, 1.0, 0.0, 0.0, 0.0):  # grows every 2 good steps, backs off on inf
+            update(scale, tracker, torch.tensor(found))
+            run(update)(scale_t, tracker_t, torch.tensor(found, device="tpu"))
+            assert (scale_t.item(), tracker_t.item()) == (scale.item(), tracker.item())
+    with pytest.raises(RuntimeError, match="found_inf must be a float tensor"):
+        torch._amp_foreach_non_finite_check_and_unscale_([torch.ones(2, device="tpu")],
+                                                         torch.zeros((), device="tpu", dtype=torch.float64),
+                                                         torch.ones((), device="tpu"))
+
+
+def test_grad_scaler_training_matches_cpu():
+    """A loop with ``GradScaler``: scaled backward, a step skipped after an inf, the scale's updates."""
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    x, y = data()
+    runs = []
+    for model, dev in ((mc, "cpu"), (mt, "tpu")):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
+        scales = []
+        for bad in (False, False, True, False, False):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x.to(dev)), y.to(dev)) * (float("inf") if bad else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(scales)
+    assert runs[0] == runs[1] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
 

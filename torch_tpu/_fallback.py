@@ -80,16 +80,28 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             continue
         src = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
         res = cargs[i] if i < len(cargs) and not a.kwarg_only else ckwargs.get(a.name)
-        if is_tpu(src):
-            if tuple(res.shape) != tuple(src.shape):
-                set_base(src, tuple(res.shape), src.dtype, None)
-            from torch_tpu._kernels import host_to_device
-
-            write(src, host_to_device(res))
+        if isinstance(src, (list, tuple)):  # a Tensor[] written in place (the _foreach_*_ ops)
+            for s, r in zip(src, res):
+                _write_back(s, r)
+        elif _write_back(src, res):
             mutated.append(src)
+    if not schema.returns:  # "-> ()": in-place on a list, nothing returned
+        return None
     if mutated and all(r.alias_info is not None for r in schema.returns):
         return mutated[0] if len(mutated) == 1 else tuple(mutated)
     return _from_cpu(out)
+
+
+def _write_back(src: Any, res: Any) -> bool:
+    """Writes the CPU result ``res`` of an in-place argument into its tpu tensor ``src``."""
+    if not is_tpu(src):
+        return False
+    from torch_tpu._kernels import host_to_device
+
+    if tuple(res.shape) != tuple(src.shape):
+        set_base(src, tuple(res.shape), src.dtype, None)
+    write(src, host_to_device(res))
+    return True
 
 
 def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:

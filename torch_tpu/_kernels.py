@@ -29,7 +29,9 @@ from torch_tpu._storage import (
     to_numpy,
     write,
 )
+from torch_tpu.ops import amp as _amp
 from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
 DK = torch._C.DispatchKey
@@ -276,3 +278,57 @@ def storage_from_bytes(data: np.ndarray) -> Any:
     st._raw = jax.device_put(np.array(data, dtype=np.uint8, copy=True))  # uncommitted, like host_to_device
     st._t = t  # keep the owning tensor alive with the storage
     return st
+
+
+# ------------------------------------------------------- mixed-precision loss scaling (GradScaler)
+def _one_element(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, kind: str) -> None:
+    """CPU's checks on the scaler's bookkeeping tensors."""
+    if not is_tpu(t):
+        raise device_mismatch(op, t.device)
+    if t.numel() != 1:
+        raise RuntimeError(f"{op}: {name} must be a 1-element tensor.")
+    if t.dtype != dtype:
+        raise RuntimeError(f"{op}: {name} must be a {kind} tensor.")
+
+
+def _unscale_all(*xs: Any) -> tuple:
+    outs, found = _amp.unscale(list(xs[:-2]), xs[-2], xs[-1])
+    return (*outs, found)
+
+
+def _update_all(*xs: Any) -> tuple:
+    return _amp.update_scale(*xs)
+
+
+_UNSCALE = Program("aten._amp_foreach_non_finite_check_and_unscale_", _unscale_all, multi=True)
+_UPDATE_SCALE = Program("aten._amp_update_scale_", _update_all, multi=True)
+
+
+@kernel(aten._amp_foreach_non_finite_check_and_unscale_.default, fusable=True)
+def _amp_unscale_(grads, found_inf, inv_scale):
+    op = "aten._amp_foreach_non_finite_check_and_unscale_"
+    _one_element(op, "found_inf", found_inf, torch.float32, "float")
+    _one_element(op, "inv_scale", inv_scale, torch.float32, "float")
+    for g in grads:
+        if not is_tpu(g):
+            raise device_mismatch(op, g.device)
+    if not grads:
+        return None
+    values = execute(_UNSCALE, *[read(g) for g in grads], read(found_inf), read(inv_scale))
+    for g, v in zip(grads, values):
+        write(g, v)
+    write(found_inf, values[-1])
+    return None
+
+
+@kernel(aten._amp_update_scale_.default, fusable=True)
+def _amp_update_scale_(scale, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
+    op = "aten._amp_update_scale_"
+    _one_element(op, "growth_tracker", growth_tracker, torch.int32, "int")
+    _one_element(op, "current_scale", scale, torch.float32, "float")
+    _one_element(op, "found_inf", found_inf, torch.float32, "float")
+    new_scale, tracker = execute(_UPDATE_SCALE, read(scale), read(growth_tracker), read(found_inf),
+                                 float(scale_growth_factor), float(scale_backoff_factor), int(growth_interval))
+    write(scale, new_scale)
+    write(growth_tracker, tracker)
+    return scale

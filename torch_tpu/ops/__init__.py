@@ -1,6 +1,7 @@
 """The lowering table, one module per op family. Importing this package fills ``LOWERINGS``."""
 
 from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
+    amp,
     conv,
     elementwise,
     factories,
