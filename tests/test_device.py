@@ -160,3 +160,18 @@ def test_import_after_a_backward_pass_warns():
     x = torch.ones(2, device="tpu", requires_grad=True)
     (x * 3).sum().backward()
     assert x.grad.cpu().tolist() == [3.0, 3.0]
+
+
+def test_pin_memory_for_tpu():
+    """``DataLoader(pin_memory=True)``, a line of many CUDA scripts, with tpu the current accelerator:
+    pinning for tpu gives an ordinary contiguous copy (XLA copies host buffers at the transfer)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.randn(6, 3)
+    batches = [b for (b,) in DataLoader(TensorDataset(x), batch_size=2, pin_memory=True)]
+    torch.testing.assert_close(torch.cat(batches), x)
+    t = torch.randn(4, 5).t()
+    p = t.pin_memory()
+    assert p.device.type == "cpu" and p.is_contiguous() and torch.equal(p, t)
+    assert p.data_ptr() != t.data_ptr()  # a copy: the loader may reuse its buffer
+    assert torch.equal(p.to("tpu").cpu(), t)

@@ -218,6 +218,32 @@ def register() -> None:
     _setup_privateuseone_for_python_backend(
         "tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard()
     )
+    _register_pinning()
+
+
+_pinning_lib: list[torch.library.Library] = []
+
+
+def _register_pinning() -> None:
+    """``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` for tpu, the current accelerator.
+
+    Pinned (page-locked) host memory lets CUDA copy a batch asynchronously. PyTorch asks the
+    backend's C++ hooks for a pinned allocator, which a Python backend cannot provide, so without
+    this every ``pin_memory=True`` loader (a line many CUDA scripts carry) would raise. XLA copies
+    host buffers into its own memory when they move to the device, so pinning for tpu returns an
+    ordinary contiguous copy. Pinning for another device type goes on to PyTorch's own kernel."""
+    lib = torch.library.Library("aten", "IMPL")
+    composite = torch._C.DispatchKey.CompositeExplicitAutograd
+    pin = torch.ops.aten._pin_memory.default
+
+    def pin_memory(self: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+        if target is not None and target.type == "tpu":
+            return self.clone(memory_format=torch.contiguous_format)
+        return pin._op_dk(composite, self, device)
+
+    lib.impl("_pin_memory", pin_memory, "CPU")
+    _pinning_lib.append(lib)
 
 
 class _EngineProbe(torch.autograd.Function):
