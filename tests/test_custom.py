@@ -86,3 +86,12 @@ def test_pallas_kernel_in_interpret_mode():
 
     x = torch.randn(8, 128)
     torch.testing.assert_close(add_one(x.to("tpu")).cpu(), x + 1)
+
+
+def test_numbers_are_bound_before_decorating():
+    """A jax_op takes tensors; a number or an option passed at the call says how to bind it."""
+    x = torch.ones(2, 4, device="tpu")
+    with pytest.raises(TypeError, match=r"takes tensors only \(got eps\); bind numbers and options"):
+        rms_norm_scale(x, torch.ones(4, device="tpu"), eps=1e-5)
+    with pytest.raises(TypeError, match=r"takes tensors only \(got float\)"):
+        rms_norm_scale(x, 2.0)

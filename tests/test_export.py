@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -52,3 +53,42 @@ print("ok", "torch" in sys.modules and sys.modules["torch"] is not None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok False"
+
+
+class _Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x, scale: float = 2.0, *, bias=None):
+        y = self.body(x) * scale
+        return {"y": y + bias if bias is not None else y, "norm": y.norm()}
+
+
+def test_artifact_takes_the_models_arguments_and_returns_its_structure(tmp_path):
+    m = _Heads().eval()
+    x, b = torch.randn(5, 4), torch.randn(3)
+    art = torch_tpu.export(m, (x, 3.0), {"bias": b})
+    got, want = art(x.to("tpu"), 3.0, bias=b), m(x, 3.0, bias=b)
+    assert set(got) == {"y", "norm"}
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-4, atol=1e-5)
+    # the program is specialized on the example's shapes and numbers: a different one is refused
+    with pytest.raises(ValueError, match=r"exported with \[3.0\] built in"):
+        art(x, 4.0, bias=b)
+    with pytest.raises(ValueError, match=r"input tensor 0 is float32\[2, 4\], but the program was exported for "
+                                         r"float32\[5, 4\]"):
+        art(torch.randn(2, 4), 3.0, bias=b)
+    art.save(tmp_path)  # served by JAX alone: tensor inputs in, a flat tuple out
+    y, norm = torch_tpu.load(tmp_path)(x.numpy(), b.numpy())
+    np.testing.assert_allclose(np.asarray(y), want["y"].detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_artifact():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).to(torch.bfloat16).eval()
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    got = torch_tpu.export(m, (x,))(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, m(x).detach(), rtol=2e-2, atol=2e-2)

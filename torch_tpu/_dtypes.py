@@ -54,7 +54,7 @@ def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def numpy_to_cpu(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor with the bits of a numpy array (bfloat16 included)."""
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # np.ascontiguousarray would make a 0-d array 1-d
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
     if not a.flags.writeable:

@@ -86,7 +86,13 @@ def jax_op(fn: Callable | None = None, *, name: str | None = None, vjp: Callable
 
         torch.library.register_autograd(f"{NAMESPACE}::{opname}", autograd_backward, setup_context=setup_context)
 
-        def call(*tensors: torch.Tensor) -> Any:
+        def call(*tensors: torch.Tensor, **kwargs: Any) -> Any:
+            extra = list(kwargs) + [type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)]
+            if extra:
+                raise TypeError(
+                    f"{opname}: a jax_op takes tensors only (got {', '.join(extra)}); bind numbers and options "
+                    "before decorating, with functools.partial or a closure"
+                )
             outs = op(list(tensors))
             return outs[0] if len(outs) == 1 else tuple(outs)
 

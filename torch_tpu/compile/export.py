@@ -13,8 +13,9 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch._decomp import core_aten_decompositions
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import ConstantArgument, InputKind
 
 from torch_tpu import _dtypes
 from torch_tpu.compile import serve
@@ -30,13 +31,18 @@ def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
 
 
 class Exported:
-    """The artifact: ``stablehlo_text()``, ``save(dir)``, and ``__call__`` on tpu tensors."""
+    """The artifact: ``stablehlo_text()``, ``save(dir)``, and ``__call__`` on CPU or tpu tensors,
+    which takes the model's arguments and returns its outputs in the model's structure (a dict
+    stays a dict). The saved program, run by JAX alone, takes and returns flat tuples."""
 
-    def __init__(self, fn: Any, weights: list[torch.Tensor], example: list[torch.Tensor], single: bool) -> None:
+    def __init__(self, fn: Any, weights: list[torch.Tensor], example: list[torch.Tensor], call_spec: Any,
+                 constants: list) -> None:
         self._fn = fn
         self._weights = weights
         self._example = example
-        self._single = single
+        self._call_spec = call_spec
+        self._single = call_spec.out_spec.num_leaves == 1
+        self._constants = constants
         self._jitted = jax.jit(fn)
 
     def _specs(self) -> tuple:
@@ -65,25 +71,58 @@ class Exported:
             json.dump(meta, f, indent=1)
         shutil.copyfile(serve.__file__, os.path.join(directory, "serve.py"))
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = _tensor_inputs(args, kwargs, self._call_spec.in_spec)
+        for i, (x, e) in enumerate(zip(inputs, self._example)):
+            if tuple(x.shape) != tuple(e.shape) or x.dtype != e.dtype:
+                raise ValueError(
+                    f"torch_tpu.export: input tensor {i} is {str(x.dtype).removeprefix('torch.')}{list(x.shape)}, but "
+                    f"the program was exported for {str(e.dtype).removeprefix('torch.')}{list(e.shape)}: export it "
+                    "again with an example of this shape"
+                )
+        constants = _constant_inputs(args, kwargs, self._call_spec.in_spec)
+        if constants != self._constants:
+            raise ValueError(
+                f"torch_tpu.export: the non-tensor arguments are {constants}, but the program was exported "
+                f"with {self._constants} built in: export it again with these values"
+            )
         arrays = [np.asarray(_dtypes.cpu_to_numpy(w)) for w in self._weights]
-        outs = self._jitted(arrays, *[_dtypes.cpu_to_numpy(_host(x)) for x in inputs])
-        res = [torch.from_numpy(np.array(o)) for o in outs]
-        return res[0] if self._single else tuple(res)
+        outs = self._jitted(arrays, *[_dtypes.cpu_to_numpy(x) for x in inputs])
+        res = [_dtypes.numpy_to_cpu(np.asarray(o), _dtypes.to_torch(o.dtype)) for o in outs]
+        return pytree.tree_unflatten(res, self._call_spec.out_spec)
 
 
-def export(model: torch.nn.Module, example_args: tuple) -> Exported:
-    """Traces ``model`` with ``torch.export`` (on CPU copies) and lowers it for serving."""
+def _tensor_inputs(args: tuple, kwargs: dict, in_spec: Any) -> list[torch.Tensor]:
+    """The tensors among the model's arguments, on the host, in the order of the exported program's
+    inputs (``torch.export`` flattens keyword arguments in the order of its trace)."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    return [_host(x) for x in tree_flatten_spec((args, kwargs), in_spec) if isinstance(x, torch.Tensor)]
+
+
+def _constant_inputs(args: tuple, kwargs: dict, in_spec: Any) -> list:
+    """The non-tensor arguments, which ``torch.export`` builds into the program."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    return [x for x in tree_flatten_spec((args, kwargs), in_spec) if not isinstance(x, torch.Tensor)]
+
+
+def export(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Exported:
+    """Traces ``model`` with ``torch.export`` (on CPU copies, in eval mode) on the example
+    arguments, and lowers it for serving."""
     cpu_model = copy.deepcopy(model).to("cpu").eval()
     args = tuple(_host(a) for a in example_args)
-    ep = torch.export.export(cpu_model, args).run_decompositions(core_aten_decompositions())
+    kwargs = {k: _host(v) for k, v in (example_kwargs or {}).items()}
+    ep = torch.export.export(cpu_model, args, kwargs).run_decompositions(core_aten_decompositions())
     fn, n_random, out_metas = lower_graph(ep.graph_module)
     if n_random:
         raise NotImplementedError("torch_tpu.export: the model draws random numbers (dropout in training mode?)")
     state = {**ep.state_dict, **ep.constants}
     weights, slots = [], []
     for spec in ep.graph_signature.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
+        if spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            slots.append(("value", spec.arg.value))  # a number the program is specialized on
+        elif spec.kind == InputKind.USER_INPUT:
             slots.append(None)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             slots.append(len(weights))
@@ -93,11 +132,12 @@ def export(model: torch.nn.Module, example_args: tuple) -> Exported:
 
     def program(weight_arrays: list, *inputs: Any) -> tuple:
         it = iter(inputs)
-        full = [next(it) if s is None else weight_arrays[s] for s in slots]
+        full = [next(it) if s is None else s[1] if type(s) is tuple else weight_arrays[s] for s in slots]
         return fn([], *full)
 
-    user_outputs = [s for s in ep.graph_signature.output_specs]
-    return Exported(program, weights, [a for a in args if isinstance(a, torch.Tensor)], len(user_outputs) == 1)
+    spec = ep.call_spec.in_spec
+    return Exported(program, weights, _tensor_inputs(args, kwargs, spec), ep.call_spec,
+                    _constant_inputs(args, kwargs, spec))
 
 
 def load(directory: str | os.PathLike) -> Any:
