@@ -255,3 +255,18 @@ def test_persistent_cache_survives_corrupt_entries(tmp_path):
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout
     assert "Error reading persistent compilation cache entry" in second.stderr
+
+
+def test_an_unusable_cache_directory_warns_and_runs_on(tmp_path):
+    """A read-only home or a path through a file must not stop ``import torch_tpu``."""
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": str(blocker / "cache"), "TORCH_TPU_PLATFORM": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _PERSIST_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cannot be created" in r.stderr and "will not persist across processes" in r.stderr
+    assert float(r.stdout) > 0

@@ -255,7 +255,16 @@ def configure_persistent_cache() -> str | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     where = os.path.join(where, f"cpus-{cores}")
-    os.makedirs(where, exist_ok=True)
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as e:  # a read-only home, a path through a file: run on, without the disk cache
+        warnings.warn(
+            f"tpu: the compilation cache directory {where} cannot be created ({e}); compiled programs will not "
+            "persist across processes. Set TORCH_TPU_CACHE_DIR to a writable directory, or to 'off'.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(
         os.environ.get("TORCH_TPU_CACHE_MIN_COMPILE_SECONDS", "0.1")))
