@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import operator
 import time
 import zlib
@@ -39,6 +40,15 @@ from torch_tpu.runtime import checks as value_checks
 from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.executor import Program, deferred, execute
 
+
+def _assert_scalar(cond: Any, msg: str) -> None:
+    """A guard of a dynamic-shape graph on its sizes (known when the program is built)."""
+    if not bool(cond):
+        raise RuntimeError(f"torch.compile(backend='tpu'): {msg}")
+
+
+# Node targets computed in Python while the program is traced: tuple access and the arithmetic on
+# sizes of dynamic-shape graphs, whose sizes are plain ints then (a program per set of sizes).
 _PYTHON_OPS: dict[Callable, Callable] = {
     operator.getitem: operator.getitem,
     operator.add: operator.add,
@@ -46,7 +56,24 @@ _PYTHON_OPS: dict[Callable, Callable] = {
     operator.mul: operator.mul,
     operator.floordiv: operator.floordiv,
     operator.truediv: operator.truediv,
+    operator.mod: operator.mod,
+    operator.pow: operator.pow,
     operator.neg: operator.neg,
+    operator.eq: operator.eq,
+    operator.ne: operator.ne,
+    operator.lt: operator.lt,
+    operator.le: operator.le,
+    operator.gt: operator.gt,
+    operator.ge: operator.ge,
+    torch.sym_max: max,
+    torch.sym_min: min,
+    torch.sym_float: float,
+    torch.sym_int: int,
+    torch.sym_not: operator.not_,
+    torch.ops.aten.sym_size.int: lambda x, dim: x.shape[dim],
+    torch.ops.aten.sym_numel.default: lambda x: math.prod(x.shape),
+    torch.ops.aten._assert_scalar.default: _assert_scalar,
+    torch.ops.aten.sym_constrain_range_for_size.default: lambda *args, **kwargs: None,
 }
 _IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
 
@@ -186,7 +213,8 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
             _check_effect(n)
         elif n.op == "call_function" and n.target in _TOKEN_OPS:
             continue
-        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations:
+        elif (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations
+              and n.target not in _PYTHON_OPS):
             _lowering_of(n.target)
             _bool_index_error(n)
     n_random = sum(1 for n in nodes if n.op == "call_function" and _is_random(n.target))
