@@ -35,8 +35,8 @@ class Exported:
     which takes the model's arguments and returns its outputs in the model's structure (a dict
     stays a dict). The saved program, run by JAX alone, takes and returns flat tuples."""
 
-    def __init__(self, fn: Any, weights: list[torch.Tensor], example: list[torch.Tensor], call_spec: Any,
-                 constants: list) -> None:
+    def __init__(self, fn: Any, weights: list[torch.Tensor], example: list[torch.Tensor], constants: list,
+                 call_spec: Any) -> None:
         self._fn = fn
         self._weights = weights
         self._example = example
@@ -72,7 +72,7 @@ class Exported:
         shutil.copyfile(serve.__file__, os.path.join(directory, "serve.py"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = _tensor_inputs(args, kwargs, self._call_spec.in_spec)
+        inputs, constants = _split_inputs(args, kwargs, self._call_spec.in_spec)
         for i, (x, e) in enumerate(zip(inputs, self._example)):
             if tuple(x.shape) != tuple(e.shape) or x.dtype != e.dtype:
                 raise ValueError(
@@ -80,7 +80,6 @@ class Exported:
                     f"the program was exported for {str(e.dtype).removeprefix('torch.')}{list(e.shape)}: export it "
                     "again with an example of this shape"
                 )
-        constants = _constant_inputs(args, kwargs, self._call_spec.in_spec)
         if constants != self._constants:
             raise ValueError(
                 f"torch_tpu.export: the non-tensor arguments are {constants}, but the program was exported "
@@ -92,19 +91,14 @@ class Exported:
         return pytree.tree_unflatten(res, self._call_spec.out_spec)
 
 
-def _tensor_inputs(args: tuple, kwargs: dict, in_spec: Any) -> list[torch.Tensor]:
-    """The tensors among the model's arguments, on the host, in the order of the exported program's
-    inputs (``torch.export`` flattens keyword arguments in the order of its trace)."""
+def _split_inputs(args: tuple, kwargs: dict, in_spec: Any) -> tuple[list[torch.Tensor], list]:
+    """The model's arguments in the order of the exported program's inputs (``torch.export``
+    flattens keyword arguments in the order of its trace): the tensors, on the host, and the other
+    values, which ``torch.export`` builds into the program."""
     from torch.fx._pytree import tree_flatten_spec
 
-    return [_host(x) for x in tree_flatten_spec((args, kwargs), in_spec) if isinstance(x, torch.Tensor)]
-
-
-def _constant_inputs(args: tuple, kwargs: dict, in_spec: Any) -> list:
-    """The non-tensor arguments, which ``torch.export`` builds into the program."""
-    from torch.fx._pytree import tree_flatten_spec
-
-    return [x for x in tree_flatten_spec((args, kwargs), in_spec) if not isinstance(x, torch.Tensor)]
+    flat = tree_flatten_spec((args, kwargs), in_spec)
+    return [_host(x) for x in flat if isinstance(x, torch.Tensor)], [x for x in flat if not isinstance(x, torch.Tensor)]
 
 
 def export(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Exported:
@@ -135,9 +129,7 @@ def export(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | N
         full = [next(it) if s is None else s[1] if type(s) is tuple else weight_arrays[s] for s in slots]
         return fn([], *full)
 
-    spec = ep.call_spec.in_spec
-    return Exported(program, weights, _tensor_inputs(args, kwargs, spec), ep.call_spec,
-                    _constant_inputs(args, kwargs, spec))
+    return Exported(program, weights, *_split_inputs(args, kwargs, ep.call_spec.in_spec), ep.call_spec)
 
 
 def load(directory: str | os.PathLike) -> Any:
