@@ -124,7 +124,8 @@ def _meta(a: Any) -> Any:
 
 def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Runs torch's meta kernel: raises CPU's errors, returns meta tensors of the results."""
-    out = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    # a generator changes no shape, and torch's reference meta kernels refuse one (exponential_)
+    out = op(*_meta(args), **{k: None if k == "generator" else _meta(v) for k, v in kwargs.items()})
     if out is None:  # an in-place op on a list (_foreach_mul_): no result
         return []
     if isinstance(out, torch.Tensor):
@@ -219,7 +220,10 @@ class _OpKernel:
             entry = self.cache[key] = self._build(key, args, kwargs)
         program, avals = entry
         if self.lowering.random:
-            dyn[:0] = _rng.next_inputs()
+            generator = kwargs.get("generator")
+            if generator is None:  # positional in some schemas (poisson)
+                generator = next((a for a in args if isinstance(a, torch.Generator)), None)
+            dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
         outs = execute(program, *dyn)
         if self.kind == "inplace":
             if type(args[0]) is list:  # _foreach_*_: every tensor of the list, returning nothing

@@ -47,6 +47,15 @@ def next_inputs() -> list[np.ndarray]:
     return [np.uint32(_seed & 0xFFFF_FFFF), np.uint32(c & 0xFFFF_FFFF)]
 
 
+def inputs_from(generator: torch.Generator) -> list[np.ndarray]:
+    """The two runtime inputs of a random op given a ``torch.Generator``, drawn from it. A tpu
+    generator cannot be made (the Python hooks again), so a CPU one stands in: seeded alike, it
+    gives the same numbers, and each op advances it; the device's own state is left alone."""
+    seed_in, counter_in = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
+                                        device=generator.device).tolist()
+    return [np.uint32(seed_in), np.uint32(counter_in)]
+
+
 def key_from(seed_in, counter_in):
     """Inside a program: the PRNG key of one random op."""
     return jax.random.fold_in(jax.random.PRNGKey(seed_in), counter_in)
