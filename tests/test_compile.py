@@ -259,6 +259,26 @@ def test_compile_modes_and_options():
         torch.compile(lambda t: t * 4, backend="tpu", options={"triton.cudagraphs": True})(x.to("tpu"))
 
 
+def test_torch_cond_trains_and_takes_each_branch():
+    """``torch.cond`` is one ``lax.cond``: the device picks the branch, in the forward and backward."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    mt = copy.deepcopy(m).to("tpu")
+
+    def f(net, x):
+        h = net(x)
+        return torch.cond(h.sum() > 0, lambda h: (h.sin() * 2).sum(), lambda h: (h.cos() - 1).sum(), (h,))
+
+    compiled = torch.compile(f, backend="tpu")
+    for sign in (1.0, -1.0, 1.0):
+        x = torch.randn(3, 4) * sign
+        lt, loss = compiled(mt, x.to("tpu")), f(m, x)
+        lt.backward()
+        loss.backward()
+        torch.testing.assert_close(lt.detach().cpu(), loss.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(mt.weight.grad.cpu(), m.weight.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_with_effects_linalg_in_graph():
     # linalg.inv/cholesky check their info with a side-effecting op: AOTAutograd wraps it in
     # with_effects(token, op, ...). The graph returns info, checked like a device-side assert.

@@ -80,7 +80,7 @@ _IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "mem
 
 def _lowering_of(target: Any) -> Any:
     lowering = LOWERINGS.get(target)
-    if lowering is None:
+    if lowering is None and isinstance(target, torch._ops.OpOverload):
         lowering = foreach_lowering(target)
     if lowering is None:
         raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph")
@@ -199,6 +199,23 @@ def _mask_rows(n: torch.fx.Node) -> tuple[torch.fx.Node, int, Callable[[Any], Ex
     return mask, rows, error
 
 
+_COND = torch.ops.higher_order.cond
+
+
+def _lower_branch(gm: torch.fx.GraphModule) -> Callable:
+    """One branch of ``torch.cond``: a graph of its own, lowered the same way."""
+    fn, n_random, _ = lower_graph(gm)
+    if n_random:
+        raise NotImplementedError("torch.compile(backend='tpu'): random ops inside a torch.cond branch")
+    return lambda operands: tuple(fn([], *operands))
+
+
+def _run_cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: Any, meta: Any) -> Any:
+    """``torch.cond`` as ``lax.cond``: XLA runs one branch, chosen on the device."""
+    out = jax.lax.cond(jnp.asarray(pred).reshape(()).astype(bool), true_fn, false_fn, tuple(operands))
+    return _match_meta(list(out), list(meta) if isinstance(meta, (list, tuple)) else meta)
+
+
 def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 checks: bool = False) -> tuple[Callable, int, list]:
     """A jax function computing ``gm``: (function, number of random ops, output metas).
@@ -213,6 +230,9 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
             _check_effect(n)
         elif n.op == "call_function" and n.target in _TOKEN_OPS:
             continue
+        elif n.op == "call_function" and n.target is _COND:
+            for branch in n.args[1:3]:
+                lower_graph(getattr(gm, branch.target))  # names an op without lowering now
         elif (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n not in mutations
               and n.target not in _PYTHON_OPS):
             _lowering_of(n.target)
@@ -252,6 +272,10 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 env[n] = _run_effect(n.args[1], val(n.args[2:]), kwargs, n.meta.get("val"))
             elif n.op == "call_function" and n.target in _TOKEN_OPS:
                 env[n] = _token() if n.target is _TOKEN_OPS[0] else None
+            elif n.op == "call_function" and n.target is _COND:
+                pred, true_gm, false_gm, operands = n.args[:4]
+                branches = [_lower_branch(getattr(gm, b.target)) for b in (true_gm, false_gm)]
+                env[n] = _run_cond(val(pred), *branches, val(operands), n.meta.get("val"))
             elif n in mutations:
                 if n not in skip:
                     dst = n.args[0].meta["val"]
