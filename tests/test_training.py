@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -117,22 +116,57 @@ def test_optimizers_match_cpu(name, foreach):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
-def test_fused_optimizers_match_cpu(name):
-    """``fused=True`` (PyTorch's single-kernel optimizers) updates lists of tensors in place: the
-    kernels have no lowering and run on CPU, counted, and every list comes back to tpu."""
-    cls = getattr(torch.optim, name)
-    kw = {**OPTIMIZERS[name], "fused": True}
+FUSED = {
+    "Adam": dict(lr=0.01, amsgrad=True, weight_decay=0.05),
+    "Adam-maximize": dict(lr=0.01, maximize=True),
+    "AdamW": dict(lr=0.01, weight_decay=0.1),
+    "AdamW-tensor-lr": dict(lr=torch.tensor(0.01), weight_decay=0.1),
+    "SGD": dict(lr=0.1),
+    "SGD-nesterov": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "SGD-dampening": dict(lr=0.1, momentum=0.9, dampening=0.1, maximize=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED))
+def test_fused_optimizers_match_cpu(case):
+    """``fused=True`` (PyTorch's single-kernel optimizers, which update lists of tensors in place)
+    runs as one program on the device, with CPU's fused arithmetic."""
+    cls = getattr(torch.optim, case.split("-")[0])
     mc = mlp()
     mt = copy.deepcopy(mc).to("tpu")
-    before = torch_tpu.metrics()["fallback_counts"].get(f"aten._fused_{name.lower()}_.default", 0)
-    with pytest.warns(UserWarning, match="has no lowering") if before == 0 else contextlib.nullcontext():
-        lt = run_steps(mt, cls(mt.parameters(), **kw), "tpu")
-    lc = run_steps(mc, cls(mc.parameters(), **kw), "cpu")
+    lc = run_steps(mc, cls(mc.parameters(), fused=True, **FUSED[case]), "cpu")
+    lt = run_steps(mt, cls(mt.parameters(), fused=True, **FUSED[case]), "tpu")
     torch.testing.assert_close(lt, lc, rtol=RTOL, atol=ATOL)
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
-    assert torch_tpu.metrics()["fallback_counts"][f"aten._fused_{name.lower()}_.default"] > before
+    assert not any("_fused_" in op for op in torch_tpu.metrics()["fallback_counts"])
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_grad_scaler_with_a_fused_optimizer_matches_cpu(name):
+    """A fused optimizer takes the scaler's ``grad_scale`` and ``found_inf``: it unscales the
+    gradients itself and skips the step after an inf."""
+    cls = getattr(torch.optim, name)
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    x, y = data()
+    runs = []
+    for model, dev in ((mc, "cpu"), (mt, "tpu")):
+        opt = cls(model.parameters(), lr=0.01, fused=True, **({"momentum": 0.9} if name == "SGD" else {}))
+        scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
+        scales = []
+        for bad in (False, True, False, False):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x.to(dev)), y.to(dev)) * (float("inf") if bad else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(scales)
+    assert runs[0] == runs[1] == [1024.0, 512.0, 512.0, 1024.0]
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+        assert_same(b.grad, a.grad, rtol=RTOL, atol=ATOL)  # unscaled by the optimizer
 
 
 def test_grad_scaler_ops_match_cpu():

@@ -30,6 +30,7 @@ from torch_tpu._storage import (
     write,
 )
 from torch_tpu.ops import amp as _amp
+from torch_tpu.ops import optim as _optim
 from torch_tpu.runtime import fused, metrics
 from torch_tpu.runtime.executor import Program, execute
 
@@ -332,3 +333,90 @@ def _amp_update_scale_(scale, growth_tracker, found_inf, scale_growth_factor, sc
     write(scale, new_scale)
     write(growth_tracker, tracker)
     return scale
+
+
+# ------------------------------------------------------------- fused=True optimizers (one program)
+_OPTIMIZER_PROGRAMS: dict[tuple, Program] = {}
+
+
+def _optimizer_program(name: str, step: Any, sizes: tuple, flags: dict) -> Program:
+    """A program for one optimizer kernel over lists of the given lengths: its inputs are the lists'
+    arrays, one after another, then the optional tensors and the hyperparameters."""
+    key = (name, sizes, tuple(sorted(flags.items())))
+    program = _OPTIMIZER_PROGRAMS.get(key)
+    if program is None:
+        n_lists = len(sizes)
+
+        def run(*xs: Any) -> tuple:
+            lists, at = [], 0
+            for n in sizes:
+                lists.append(list(xs[at:at + n]))
+                at += n
+            rest = list(xs[at:])
+            extra = {k: rest.pop(0) if flags[f"has_{k}"] else None for k in ("grad_scale", "found_inf")}
+            options = {k: v for k, v in flags.items() if k not in ("has_grad_scale", "has_found_inf")}
+            outs = step(*lists[:n_lists], *rest, **options, **extra)
+            return tuple(x for out in outs for x in out)
+
+        program = _OPTIMIZER_PROGRAMS[key] = Program(name, run, multi=True)
+    return program
+
+
+def _run_optimizer(name: str, step: Any, lists: list[list], written: list[list], scalars: list, flags: dict,
+                   grad_scale: Any, found_inf: Any) -> None:
+    for ts in lists:
+        for t in ts:
+            if not is_tpu(t):
+                raise device_mismatch(name, t.device)
+    extra = [read(t) for t in (grad_scale, found_inf) if t is not None]
+    flags = {**flags, "has_grad_scale": grad_scale is not None, "has_found_inf": found_inf is not None}
+    program = _optimizer_program(name, step, tuple(len(ts) for ts in lists), flags)
+    values = execute(program, *[read(t) for ts in lists for t in ts], *extra,
+                     *[read(s) if is_tpu(s) else float(s) for s in scalars])  # a CPU lr tensor: its value
+    targets = [t for ts in written for t in ts]  # None: an output left unwritten (grads, unless unscaled)
+    for t, v in zip(targets, values):
+        if t is not None:
+            write(t, v)
+
+
+def _fused_adam(decoupled: bool) -> Any:
+    name = f"aten._fused_adam{'w' if decoupled else ''}_"
+
+    def kernel_fn(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+                  weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
+        if not self:
+            return None
+        maxes = max_exp_avg_sqs if amsgrad else []
+        grads_written = grads if grad_scale is not None else [None] * len(grads)
+        _run_optimizer(
+            name, _optim.adam, [self, grads, exp_avgs, exp_avg_sqs, maxes, state_steps],
+            [self, grads_written, exp_avgs, exp_avg_sqs, maxes], [lr, beta1, beta2, weight_decay, eps],
+            {"amsgrad": bool(amsgrad), "maximize": bool(maximize), "decoupled": decoupled,
+             "decay": float(weight_decay) != 0},
+            grad_scale, found_inf,
+        )
+        return None
+
+    return kernel_fn
+
+
+def _fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
+               is_first_step, grad_scale=None, found_inf=None):
+    if not self:
+        return None
+    has_momentum = float(momentum) != 0
+    buffers = momentum_buffer_list if has_momentum else []
+    grads_written = grads if grad_scale is not None else [None] * len(grads)
+    _run_optimizer(
+        "aten._fused_sgd_", _optim.sgd, [self, grads, buffers], [self, grads_written, buffers],
+        [weight_decay, momentum, lr, dampening],
+        {"nesterov": bool(nesterov), "maximize": bool(maximize), "is_first_step": bool(is_first_step),
+         "has_momentum": has_momentum, "decay": float(weight_decay) != 0},
+        grad_scale, found_inf,
+    )
+    return None
+
+
+kernel(aten._fused_adam_.default, aten._fused_adam_.tensor_lr, fusable=True)(_fused_adam(False))
+kernel(aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, fusable=True)(_fused_adam(True))
+kernel(aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr, fusable=True)(_fused_sgd)

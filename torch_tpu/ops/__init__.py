@@ -10,6 +10,7 @@ from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
     indexing,
     linalg,
     nn,
+    optim,
     random,
     reduction,
     shape,
