@@ -142,6 +142,21 @@ def test_fused_optimizers_match_cpu(case):
     assert not any("_fused_" in op for op in torch_tpu.metrics()["fallback_counts"])
 
 
+def test_cpu_fallback_writes_back_lists():
+    """An op without a lowering that updates lists of tensors in place and returns nothing
+    (``_fused_adagrad_``, from ``Adagrad(fused=True)``) runs on CPU, counted, and every list comes
+    back: the parameters used to stay unchanged."""
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    before = torch_tpu.metrics()["fallback_counts"].get("aten._fused_adagrad_.default", 0)
+    lc = run_steps(mc, torch.optim.Adagrad(mc.parameters(), lr=0.1, fused=True), "cpu")
+    lt = run_steps(mt, torch.optim.Adagrad(mt.parameters(), lr=0.1, fused=True), "tpu")
+    torch.testing.assert_close(lt, lc, rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+    assert torch_tpu.metrics()["fallback_counts"]["aten._fused_adagrad_.default"] > before
+
+
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 def test_grad_scaler_with_a_fused_optimizer_matches_cpu(name):
     """A fused optimizer takes the scaler's ``grad_scale`` and ``found_inf``: it unscales the
