@@ -157,6 +157,21 @@ def test_cpu_fallback_writes_back_lists():
     assert torch_tpu.metrics()["fallback_counts"]["aten._fused_adagrad_.default"] > before
 
 
+def scaled_steps(model, opt, dev, inf_steps):
+    """Steps with a ``GradScaler`` (the loss made inf where ``inf_steps`` says); the scale after each."""
+    x, y = data()
+    scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
+    scales = []
+    for bad in inf_steps:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x.to(dev)), y.to(dev)) * (float("inf") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 def test_grad_scaler_with_a_fused_optimizer_matches_cpu(name):
     """A fused optimizer takes the scaler's ``grad_scale`` and ``found_inf``: it unscales the
@@ -164,20 +179,9 @@ def test_grad_scaler_with_a_fused_optimizer_matches_cpu(name):
     cls = getattr(torch.optim, name)
     mc = mlp()
     mt = copy.deepcopy(mc).to("tpu")
-    x, y = data()
-    runs = []
-    for model, dev in ((mc, "cpu"), (mt, "tpu")):
-        opt = cls(model.parameters(), lr=0.01, fused=True, **({"momentum": 0.9} if name == "SGD" else {}))
-        scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
-        scales = []
-        for bad in (False, True, False, False):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x.to(dev)), y.to(dev)) * (float("inf") if bad else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        runs.append(scales)
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    runs = [scaled_steps(m, cls(m.parameters(), lr=0.01, fused=True, **kw), dev, (False, True, False, False))
+            for m, dev in ((mc, "cpu"), (mt, "tpu"))]
     assert runs[0] == runs[1] == [1024.0, 512.0, 512.0, 1024.0]
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
@@ -218,20 +222,8 @@ def test_grad_scaler_training_matches_cpu():
     """A loop with ``GradScaler``: scaled backward, a step skipped after an inf, the scale's updates."""
     mc = mlp()
     mt = copy.deepcopy(mc).to("tpu")
-    x, y = data()
-    runs = []
-    for model, dev in ((mc, "cpu"), (mt, "tpu")):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
-        scales = []
-        for bad in (False, False, True, False, False):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x.to(dev)), y.to(dev)) * (float("inf") if bad else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        runs.append(scales)
+    runs = [scaled_steps(m, torch.optim.SGD(m.parameters(), lr=0.05), dev, (False, False, True, False, False))
+            for m, dev in ((mc, "cpu"), (mt, "tpu"))]
     assert runs[0] == runs[1] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)

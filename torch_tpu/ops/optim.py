@@ -17,6 +17,15 @@ def _wide(x: Any) -> Any:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def _gradient(g: Any, dtype: Any, grad_scale: Any, maximize: bool) -> tuple[Any, Any]:
+    """(the gradient unscaled by ``grad_scale``, in ``g``'s dtype: the kernels write it back;
+    the same in ``dtype``, negated with ``maximize``: what the update uses)."""
+    gw = _wide(g).astype(dtype)
+    if grad_scale is not None:
+        gw = gw / grad_scale.reshape(()).astype(dtype)
+    return gw.astype(g.dtype), -gw if maximize else gw
+
+
 def _skipped(found_inf: Any, new: list, old: list) -> list:
     """CPU's kernels return before touching anything when ``found_inf`` is 1."""
     if found_inf is None:
@@ -36,13 +45,10 @@ def adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_a
         step = steps[i].reshape(()).astype(jnp.float64)
         bias_correction1 = 1 - jnp.power(beta1, step)
         bias_correction2_sqrt = jnp.sqrt(1 - jnp.power(beta2, step))
-        pw, gw, mw, vw = _wide(p), _wide(g), _wide(m), _wide(v)
+        pw, mw, vw = _wide(p), _wide(m), _wide(v)
         wt = pw.dtype
-        if grad_scale is not None:
-            gw = gw / grad_scale.reshape(()).astype(wt)
-        out[1].append(gw.astype(g.dtype))
-        if maximize:
-            gw = -gw
+        unscaled, gw = _gradient(g, wt, grad_scale, maximize)
+        out[1].append(unscaled)
         if decay and decoupled:
             pw = pw * (1 - jnp.asarray(lr, jnp.float64) * weight_decay).astype(wt)
         elif decay:
@@ -70,13 +76,10 @@ def sgd(params: list, grads: list, momentum_buffers: list, weight_decay: float, 
     """One SGD step. Returns the new params, grads and (with momentum) momentum buffers."""
     out: list[list] = [[], [], []]
     for i, (p, g) in enumerate(zip(params, grads)):
-        pw, gw = _wide(p), _wide(g)
+        pw = _wide(p)
         wt = pw.dtype
-        if grad_scale is not None:
-            gw = gw / grad_scale.reshape(()).astype(wt)
-        out[1].append(gw.astype(g.dtype))
-        if maximize:
-            gw = -gw
+        unscaled, gw = _gradient(g, wt, grad_scale, maximize)
+        out[1].append(unscaled)
         if decay:
             gw = gw + weight_decay * pw
         if has_momentum:
