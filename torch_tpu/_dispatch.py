@@ -150,6 +150,8 @@ class _OpKernel:
         schema = op._schema
         self.dynamic = {a.name: STATIC if lowering.static_scalars else FLOATS for a in schema.arguments}
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
+        positional = [a.name for a in schema.arguments if not a.kwarg_only]
+        self.generator_at = positional.index("generator") if "generator" in positional else None  # poisson
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
         self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
         self.single = len(schema.returns) == 1 and not self.returns_list
@@ -221,8 +223,8 @@ class _OpKernel:
         program, avals = entry
         if self.lowering.random:
             generator = kwargs.get("generator")
-            if generator is None:  # positional in some schemas (poisson)
-                generator = next((a for a in args if isinstance(a, torch.Generator)), None)
+            if generator is None and self.generator_at is not None and self.generator_at < len(args):
+                generator = args[self.generator_at]
             dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
         outs = execute(program, *dyn)
         if self.kind == "inplace":
