@@ -1,17 +1,37 @@
 # The two set-up commands: `make demo` and `make test`. Both create .venv on a fresh machine.
+# `make test-newest` and `make test-oldest` run a shorter pass on the newest and oldest torch the
+# package declares, each in its own venv (see "Tested versions" in the README); CI runs all three.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PINNED_TORCH := 2.13.0
+NEWEST_TORCH := 2.15.0
+OLDEST_TORCH := 2.11.0
+OLDEST_JAX := 0.10.1
+# The shorter pass: the device, training, compile, fused, distributed, estimator and docs tests.
+SHORT_TESTS := tests/test_device.py tests/test_training.py tests/test_compile.py tests/test_fused.py \
+	tests/test_distributed.py tests/test_estimator.py tests/test_docs.py tests/test_ops_fft.py
+# This machine's pip may carry a global constraint file that caps torch below the newest release;
+# the extra venvs install exactly the versions named above, so they read an empty one instead.
+NO_CAP := $(abspath .ci/no-constraints.txt)
 
-.PHONY: demo test opinfo coverage lint bench clean
+.PHONY: demo test test-newest test-oldest opinfo coverage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.11,<2.16"
+	$(BIN)/pip install -q "torch==$(PINNED_TORCH)" || $(BIN)/pip install -q "torch>=2.11,<2.16"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
+
+# .venv-torch<version>: one venv per extra torch version, with the package installed editable.
+.venv-torch%/.installed: pyproject.toml
+	$(PY) -m venv .venv-torch$*
+	.venv-torch$*/bin/pip install -q --upgrade pip
+	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q "torch==$*" $(if $(filter $*,$(OLDEST_TORCH)),"jax==$(OLDEST_JAX)" "jaxlib==$(OLDEST_JAX)")
+	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q -e ".[test]"
+	touch $@
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -20,6 +40,19 @@ test: $(STAMP)
 	$(BIN)/ruff check torch_tpu tests tools examples
 	$(BIN)/python -m pytest tests
 	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests
+
+# The shorter pass on another torch: import, the demo, then SHORT_TESTS.
+define short_pass
+	.venv-torch$(1)/bin/python -c "import torch, jax, torch_tpu; print('torch', torch.__version__, 'jax', jax.__version__)"
+	.venv-torch$(1)/bin/python examples/demo.py
+	.venv-torch$(1)/bin/python -m pytest $(SHORT_TESTS)
+endef
+
+test-newest: .venv-torch$(NEWEST_TORCH)/.installed
+	$(call short_pass,$(NEWEST_TORCH))
+
+test-oldest: .venv-torch$(OLDEST_TORCH)/.installed
+	$(call short_pass,$(OLDEST_TORCH))
 
 opinfo: $(STAMP)
 	TORCH_TPU_OPINFO=all $(BIN)/python -m pytest tests/test_opinfo.py
@@ -34,4 +67,4 @@ bench: $(STAMP)
 	$(BIN)/python -m torch_tpu.bench dispatch
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-torch*

@@ -21,7 +21,9 @@ if _PLATFORM:
 # see docs/numerics.md.
 jax.config.update("jax_enable_x64", True)
 
-from torch_tpu import _device  # noqa: E402
+from torch_tpu import _compat, _device  # noqa: E402
+
+_compat.keep_linalg_checks_in_graphs()
 
 _device.register()
 from torch_tpu import _module_move  # noqa: E402

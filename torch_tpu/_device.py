@@ -57,6 +57,20 @@ def check_index(index: int | None) -> int:
 
 # ------------------------------------------------------------------ the torch.cuda-like API
 def is_available() -> bool:
+    """Whether tpu tensors can be made, without starting JAX's runtime when it can be told cheaply.
+
+    ``torch.accelerator.current_accelerator(check_available=True)`` asks this, and from torch 2.14
+    ``init_process_group()`` does so before it creates the group. Starting JAX's backends here would
+    stop the group from joining JAX's multi-controller runtime (XLA collectives). XLA:CPU is always
+    there as the last platform, so unless ``jax_platforms`` rules it out the answer is yes; only a
+    restricted platform list needs the runtime to find out.
+    """
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        platforms = jax.config.jax_platforms
+        if not platforms or "cpu" in str(platforms).split(","):
+            return True
     return len(_devices()) > 0
 
 

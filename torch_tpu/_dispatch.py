@@ -309,7 +309,8 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
                     return fn(*args, **kwargs)
 
         for op in ops:
-            register_kernel(op, run, "kernel")
+            if op is not None:  # None: an op this torch version lacks (torch_tpu._compat.aten_overload)
+                register_kernel(op, run, "kernel")
         return fn
 
     return deco

@@ -153,6 +153,9 @@ class TPUProcessGroup(dist.ProcessGroup):
         # c10d keeps a group's name on its backends: with gloo registered for CPU tensors the group
         # gets one (DeviceMesh and functional collectives look groups up by name)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # torch 2.15 attaches a flight recorder to every group, which looks up the group's default
+        # backend; gloo is the one this group owns (collectives still come to the methods below)
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self.path_reason = xla.start(store, rank, size)
         self.path = "xla" if self.path_reason is None else "gloo-host"
         self._failed = False

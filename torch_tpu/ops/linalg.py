@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torch_tpu._compat import aten_overload
 from torch_tpu._dispatch import REGISTERED, _OpKernel, _twins, kernel, register_kernel
 from torch_tpu._storage import new_tensor, to_cpu
 from torch_tpu.ops._registry import LOWERINGS, Lowering, aten, lower
@@ -236,7 +237,7 @@ def linalg_cholesky_ex(self, upper=False, check_errors=False):
     return (_mH(low) if upper else low), info
 
 
-@kernel(aten.cholesky.default)
+@kernel(aten_overload("cholesky.default"))  # removed in torch 2.14
 def _cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     """Raises on failure like CPU (a sync on ``info``)."""
     out, info = aten.linalg_cholesky_ex.default(self, upper=upper)
@@ -244,7 +245,7 @@ def _cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     return out
 
 
-@lower(aten.cholesky.default, graph_only=True)
+@lower(aten_overload("cholesky.default"), graph_only=True)
 def cholesky(self, upper=False):
     """In a graph: the factor alone (a graph cannot raise on ``info``; a failed factor has NaNs)."""
     return linalg_cholesky_ex(self, upper)[0]
