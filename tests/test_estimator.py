@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torch_tpu
-from torch_tpu.estimator import BatchError, Callback, EarlyStopping, History, TPUEstimator
+from torch_tpu.estimator import BatchError, Callback, EarlyStopping, History, LossConfigError, TPUEstimator, batch_loss
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -173,7 +173,8 @@ def test_batch_forms_dict_hf_loss_single_tensor_and_custom_loss():
     # A single tensor batch needs a loss: here an autoencoder's reconstruction error.
     torch.manual_seed(0)
     ae = nn.Linear(8, 8)
-    h = est.fit(ae, DataLoader(x, batch_size=16), loss_fn=lambda out, batch: ((out - batch) ** 2).mean(), epochs=3)
+    h = est.fit(ae, DataLoader(x, batch_size=16), loss_fn=batch_loss(lambda out, batch: ((out - batch) ** 2).mean()),
+                epochs=3)
     assert h.loss[-1] < h.loss[0]
     with pytest.raises(TypeError, match="loss_fn"):
         est.fit(nn.Linear(8, 8), DataLoader(x, batch_size=16))
@@ -437,7 +438,7 @@ def test_custom_loss_fn_on_a_padded_last_batch(per_sample):
     loader = DataLoader(data, batch_size=32)
     want = cpu_reference(cpu, loader, nn.functional.cross_entropy, epochs=3)
     reduction = "none" if per_sample else "mean"
-    loss_fn = lambda out, batch: nn.functional.cross_entropy(out, batch[1], reduction=reduction)
+    loss_fn = lambda out, target: nn.functional.cross_entropy(out, target, reduction=reduction)
     seen = []
     history = TPUEstimator(verbose=False).fit(
         tpu.to("tpu"), loader, loss_fn=loss_fn, epochs=3,
