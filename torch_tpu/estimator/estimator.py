@@ -221,6 +221,8 @@ class TPUEstimator:
             raise ValueError("train_loader is empty: it yields no batches")
         loss = Loss(loss_fn)
         self._to_device(model)
+        if isinstance(loss_fn, nn.Module):  # a criterion's buffers (CrossEntropyLoss's weight)
+            self._to_device(loss_fn)
         opt = self._make_optimizer(model, optimizer)
         sched = self._make_scheduler(scheduler, opt)
         self.stop_training = False
@@ -253,6 +255,8 @@ class TPUEstimator:
         named = named_metrics(metrics)
         loss = Loss(loss_fn)
         self._to_device(model)
+        if isinstance(loss_fn, nn.Module):
+            self._to_device(loss_fn)
         model.eval()
         feed = self.placement.feeder(model, self._loader_batch_size(loader), self.pad_last_batch)
         sums: dict[str, list] = {}
@@ -307,13 +311,12 @@ class TPUEstimator:
                 except (RuntimeError, ValueError, TypeError, AttributeError) as e:
                     raise BatchError(f"prediction failed on batch {i} with shapes {shapes_of(raw)}: {e}") from e
                 self.execution.end_step()
-                if self.bucket_lengths:  # cut the sequence padding back off the outputs
+                cut = None  # (the length, its bucket): the sequence padding to cut off the outputs
+                if self.bucket_lengths:
                     lengths = [t.shape[1] for t in tensors_in(raw) if t.dim() >= 2]
                     if lengths:
-                        padded_len = bucket_for(lengths[0], self.bucket_lengths)
-                        out = map_tensors(out, lambda t, L=lengths[0], P=padded_len:
-                                          t[:, :L] if t.dim() >= 2 and t.shape[1] == P else t)
-                pending.append((out, n))
+                        cut = lengths[0], bucket_for(lengths[0], self.bucket_lengths)
+                pending.append((out, n, cut))
                 if len(pending) > 1:  # copy batch i-1 to the host while batch i runs
                     outs.append(_to_cpu_rows(*pending.pop(0)))
                 rows += n
@@ -339,10 +342,19 @@ def _host(x: Any) -> float:
     return x.item() if isinstance(x, torch.Tensor) else x
 
 
-def _to_cpu_rows(out: Any, n: int) -> Any:
-    """The real rows of a batch's outputs on the host: copied whole, then cut on the host, so a
-    short last batch adds no device program."""
-    return map_tensors(out, lambda t: t.cpu()[:n] if t.dim() else t.cpu())
+def _to_cpu_rows(out: Any, n: int, cut: tuple[int, int] | None) -> Any:
+    """The real rows (and real sequence positions) of a batch's outputs on the host: copied whole,
+    then cut on the host, so a short last batch or a short sequence adds no device program."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t.cpu()
+        if not t.dim():
+            return t
+        t = t[:n]
+        if cut is not None and t.dim() >= 2 and t.shape[1] == cut[1]:
+            t = t[:, : cut[0]]
+        return t
+
+    return map_tensors(out, host)
 
 
 def _concat(outs: list[Any]) -> Any:
