@@ -162,8 +162,9 @@ class Loss:
         rows = b.mask.shape[0] if b.mask is not None else b.size
         if loss.shape[0] % rows:
             raise LossConfigError(
-                f"loss_fn returned a loss of shape {tuple(loss.shape)} for a batch of {rows} rows: expected a "
-                f"scalar, or one loss per sample (leading dim {rows}, or {rows} x k flattened row by row)"
+                f"loss_fn returned a loss of shape {tuple(loss.shape)} for a batch of {rows}"
+                " rows: expected a scalar, or one loss per sample"
+                f" (leading dim {rows}, or {rows} x k flattened row by row)"
             )
         return loss.reshape(rows, -1).float().mean(1)
 
@@ -219,8 +220,8 @@ class Loss:
             return loss if normalised or rows == b.size else loss / (rows / b.size)
         if b.target is None:
             raise LossConfigError(
-                "the batch has no target and the model returned no loss: pass batches (inputs..., target), "
-                f"or a loss_fn. {SIGNATURES}"
+                "the batch has no target and the model returned no loss: pass batches (inputs..., target), or a loss_fn"
+                f". {SIGNATURES}"
             )
         if weight is None:
             raise TypeError("a batch without a target in a group of batches with targets")
