@@ -625,7 +625,8 @@ def test_batch_loss_and_dict_labels_as_target():
 
 
 # ---------------------------------------------------------------------- prediction programs
-def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket():
+@pytest.mark.parametrize("mode", ["auto", "compile"])
+def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket(mode):
     """Every program a pass needs is built by the first batch of each shape bucket: after a pass
     over one batch per bucket, a pass over the whole loader, its ragged last batch included,
     compiles nothing (cache_stats() and metrics() counts together)."""
@@ -637,8 +638,9 @@ def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket():
         return compile_counters()[0] - c0, out
 
     x = classification_data(100).tensors[0]
+    torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 3)).to("tpu")  # shapes no other test has
-    est = TPUEstimator(verbose=False)
+    est = TPUEstimator(mode=mode, verbose=False)
     batches = [(x[i : i + 32],) for i in range(0, 100, 32)]  # 32, 32, 32 and 4
     first, _ = compiles(est, model, batches[:1])
     rest, out = compiles(est, model, batches)
@@ -657,7 +659,7 @@ def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket():
     g = torch.Generator().manual_seed(5)
     lengths = (3, 7, 5, 12, 16, 9, 6)
     batches = [(torch.randint(0, 21, (4 if i < 6 else 2, n), generator=g),) for i, n in enumerate(lengths)]
-    est = TPUEstimator(bucket_lengths=(8, 16), verbose=False)
+    est = TPUEstimator(bucket_lengths=(8, 16), mode=mode, verbose=False)
     lm = PerToken().to("tpu")
     first, _ = compiles(est, lm, [batches[0], batches[3]])  # buckets 8 and 16
     rest, out = compiles(est, lm, batches)
@@ -665,3 +667,6 @@ def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket():
     assert [tuple(o.shape) for o in out] == [(b[0].shape[0], b[0].shape[1], 21) for b in batches]
     with torch.no_grad():
         torch.testing.assert_close(out[-1], copy.deepcopy(lm).cpu()(batches[-1][0]), rtol=RTOL, atol=ATOL)
+    if mode == "compile":  # one program per bucket, not one per op
+        assert first <= 2 * 2, first
+    torch._dynamo.reset()

@@ -261,6 +261,7 @@ class TPUEstimator:
         feed = self.placement.feeder(model, self._loader_batch_size(loader), self.pad_last_batch)
         sums: dict[str, list] = {}
         seen = 0
+        forward = self.execution.forward(model)
         ctx = contextlib.nullcontext() if _nested else self.execution.eager_mode()
         with ctx, torch.no_grad():
             for i, raw in enumerate(loader):
@@ -268,7 +269,7 @@ class TPUEstimator:
                 seen += 1
                 try:
                     with self.execution.autocast():
-                        out = model(*b.args, **b.kwargs)
+                        out = forward(*b.args, **b.kwargs)
                 except (RuntimeError, ValueError, TypeError, AttributeError) as e:
                     raise BatchError(f"evaluation failed on batch {i} with shapes {shapes_of(raw)}: {e}") from e
                 parts: dict[str, tuple[Any, Any]] = {}
@@ -291,14 +292,16 @@ class TPUEstimator:
         concatenated in loader order (a list of per-batch tensors when their shapes differ beyond the
         batch dim, as variable-length sequences do). Batches follow ``fit``'s forms; a tuple ``(inputs..., target)``
         drops its last element, a 1-tuple or single tensor is all input. The last partial batch is
-        padded (one program for every batch) and the padding cut from the result.
+        padded (one program for every batch) and the padding cut from the result, on the host. In
+        compile mode the forward runs under ``torch.compile``: one program per shape bucket.
         Throughput and latency land in ``est.last_predict_stats``."""
         self._to_device(model)
         model.eval()
         feed = self.placement.feeder(model, self._loader_batch_size(loader), self.pad_last_batch,
                                      any_form=True, with_mask=False)
         outs: list[Any] = []
-        pending: list[tuple[Any, int]] = []
+        pending: list[tuple[Any, int, Any]] = []
+        forward = self.execution.forward(model)
         t0 = time.perf_counter()
         rows = batches = 0
         with self.execution.eager_mode(), torch.no_grad():
@@ -307,7 +310,7 @@ class TPUEstimator:
                 b = feed(raw)
                 try:
                     with self.execution.autocast():
-                        out = model(*b.args, **b.kwargs)
+                        out = forward(*b.args, **b.kwargs)
                 except (RuntimeError, ValueError, TypeError, AttributeError) as e:
                     raise BatchError(f"prediction failed on batch {i} with shapes {shapes_of(raw)}: {e}") from e
                 self.execution.end_step()

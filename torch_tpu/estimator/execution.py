@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 import torch_tpu
 from torch_tpu.runtime import fused
@@ -17,6 +21,17 @@ class Execution:
 
     def __init__(self, mode: str, precision: str) -> None:
         self.mode, self.precision = mode, precision
+        self._compiled: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+
+    def forward(self, model: nn.Module) -> Callable[..., Any]:
+        """What ``evaluate`` and ``predict`` call: the model, or in compile mode the model under
+        ``torch.compile`` (one program per shape bucket instead of one per op), made once."""
+        if self.mode != "compile":
+            return model
+        fn = self._compiled.get(model)
+        if fn is None:
+            fn = self._compiled[model] = torch.compile(model, backend="tpu", dynamic=False)
+        return fn
 
     def eager_mode(self) -> contextlib.AbstractContextManager:
         return torch_tpu.set_eager_mode("fused" if self.mode == "fused" else "strict")
