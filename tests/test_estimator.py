@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torch_tpu
-from torch_tpu.estimator import BatchError, Callback, EarlyStopping, History, TPUEstimator
+from torch_tpu.estimator import BatchError, Callback, EarlyStopping, History, LossConfigError, TPUEstimator, batch_loss
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -173,7 +173,8 @@ def test_batch_forms_dict_hf_loss_single_tensor_and_custom_loss():
     # A single tensor batch needs a loss: here an autoencoder's reconstruction error.
     torch.manual_seed(0)
     ae = nn.Linear(8, 8)
-    h = est.fit(ae, DataLoader(x, batch_size=16), loss_fn=lambda out, batch: ((out - batch) ** 2).mean(), epochs=3)
+    h = est.fit(ae, DataLoader(x, batch_size=16), loss_fn=batch_loss(lambda out, batch: ((out - batch) ** 2).mean()),
+                epochs=3)
     assert h.loss[-1] < h.loss[0]
     with pytest.raises(TypeError, match="loss_fn"):
         est.fit(nn.Linear(8, 8), DataLoader(x, batch_size=16))
@@ -437,7 +438,7 @@ def test_custom_loss_fn_on_a_padded_last_batch(per_sample):
     loader = DataLoader(data, batch_size=32)
     want = cpu_reference(cpu, loader, nn.functional.cross_entropy, epochs=3)
     reduction = "none" if per_sample else "mean"
-    loss_fn = lambda out, batch: nn.functional.cross_entropy(out, batch[1], reduction=reduction)
+    loss_fn = lambda out, target: nn.functional.cross_entropy(out, target, reduction=reduction)
     seen = []
     history = TPUEstimator(verbose=False).fit(
         tpu.to("tpu"), loader, loss_fn=loss_fn, epochs=3,
@@ -460,3 +461,212 @@ def test_batch_norm_last_batch_is_not_padded():
     history = TPUEstimator(verbose=False).fit(tpu.to("tpu"), loader, epochs=2)
     torch.testing.assert_close(torch.tensor(history.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
     assert_weights_equal(tpu, cpu)  # the state dict: running_mean and running_var too
+
+
+# ---------------------------------------------------------------------- standard criteria as loss_fn
+def _user_loss(pred, y):
+    return nn.functional.cross_entropy(pred, y)
+
+
+_CRITERIA = {
+    "CrossEntropyLoss": (lambda: nn.CrossEntropyLoss(), nn.functional.cross_entropy),
+    "F.cross_entropy": (lambda: nn.functional.cross_entropy, nn.functional.cross_entropy),
+    "def loss(pred, y)": (lambda: _user_loss, nn.functional.cross_entropy),
+    "CrossEntropyLoss(none)": (lambda: nn.CrossEntropyLoss(reduction="none"), nn.functional.cross_entropy),
+    "CrossEntropyLoss(weight)": (
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.3, 1.7])),
+        lambda out, y, reduction="mean": nn.functional.cross_entropy(out, y, weight=torch.tensor([0.3, 1.7]))),
+    "F.mse_loss": (lambda: nn.functional.mse_loss, nn.functional.mse_loss),
+    "MSELoss(none)": (lambda: nn.MSELoss(reduction="none"), nn.functional.mse_loss),
+}
+
+
+@pytest.mark.parametrize("name", list(_CRITERIA))
+def test_standard_criteria_match_cpu_on_a_padded_last_batch(name):
+    """Any torch criterion of (outputs, target): a mean-reduced one runs the padded last batch again
+    on its real rows, a per-sample one (reduction="none") is masked. Both equal the unpadded CPU loop."""
+    make, cpu_loss = _CRITERIA[name]
+    regression = "mse" in name.lower()
+    data = regression_data(100) if regression else classification_data(100)
+    cpu = mlp(out=1 if regression else 2)
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=32)  # a last batch of 4
+    if name == "CrossEntropyLoss(weight)":  # a weighted mean: per batch, not a sum over rows
+        opt = torch.optim.AdamW(cpu.parameters(), lr=1e-3)
+        want = []
+        for _ in range(2):
+            for x, y in loader:
+                loss = cpu_loss(cpu(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                want.append(loss.item())
+    else:
+        want = cpu_reference(cpu, loader, cpu_loss, epochs=2)
+    h = TPUEstimator(verbose=False).fit(tpu, loader, loss_fn=make(), epochs=2)
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_criterion_with_gradient_accumulation_and_a_short_last_group(reduction):
+    """Micro-batches of 16, 16, ..., 16 and 4, two per step: each step's loss is the mean over the
+    real samples of its micro-batches, as on CPU."""
+    data = regression_data(84)
+    cpu = mlp(out=1)
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)
+    want = cpu_reference(cpu, loader, nn.functional.mse_loss, accum=2)
+    h = TPUEstimator(verbose=False).fit(tpu, loader, loss_fn=nn.MSELoss(reduction=reduction), grad_accum_steps=2)
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+
+
+def test_criterion_in_compile_mode_and_in_evaluate():
+    torch._dynamo.reset()
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=32)
+    want = cpu_reference(cpu, loader, nn.functional.cross_entropy)
+    est = TPUEstimator(mode="compile", verbose=False)
+    h = est.fit(tpu, loader, loss_fn=nn.CrossEntropyLoss())
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    x, y = data.tensors
+    with torch.no_grad():
+        ref = nn.functional.cross_entropy(cpu(x), y).item()
+    for crit in (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="none")):
+        got = TPUEstimator(verbose=False).evaluate(tpu, loader, loss_fn=crit)
+        assert got["loss"] == pytest.approx(ref, rel=1e-5)
+    torch._dynamo.reset()
+
+
+class _TupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.detach()
+
+
+@pytest.mark.parametrize("mode", ["auto", "compile"])
+def test_a_loss_that_cannot_take_the_batch_names_the_signatures(mode):
+    """The issue's case: F.mse_loss on a model returning a tuple failed with "AttributeError: 'tuple'
+    object has no attribute 'size'" from inside torch."""
+    torch._dynamo.reset()
+    x, y = regression_data(32).tensors
+    est = TPUEstimator(mode=mode, verbose=False)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    with pytest.raises(LossConfigError, match=r"loss_fn\(outputs, target\).*outputs=tuple\(Tensor\(float32\[16, 1\]\)"
+                                              r".*AttributeError.*batch_loss\(fn\)"):
+        est.fit(_TupleOut(), loader, loss_fn=nn.functional.mse_loss)
+    torch._dynamo.reset()
+
+
+def test_loss_fn_errors():
+    x, y = classification_data(32).tensors
+    est = TPUEstimator(verbose=False)
+    # no target in a single-tensor batch: the whole-batch form is named
+    with pytest.raises(LossConfigError, match=r"needs a target.*batch_loss\(fn\) with fn\(outputs, batch\)"):
+        est.fit(nn.Linear(8, 8), DataLoader(x, batch_size=16), loss_fn=nn.functional.mse_loss)
+    # a function of one argument
+    with pytest.raises(LossConfigError, match=r"cannot be called.*TypeError.*loss_fn\(outputs, target\)"):
+        est.fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=16), loss_fn=lambda out: out.sum())
+    # neither a scalar nor one loss per sample
+    with pytest.raises(LossConfigError, match=r"shape \(3,\) for a batch of 16 rows"):
+        est.fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=16), loss_fn=lambda out, t: out.sum(0).repeat(2)[:3])
+    with pytest.raises(LossConfigError, match="returned float"):
+        est.fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=16), loss_fn=lambda out, t: 1.0)
+    with pytest.raises(TypeError, match="loss_fn: expected a callable"):
+        est.fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=16), loss_fn="mse")
+    assert issubclass(LossConfigError, TypeError)
+
+
+def test_batch_loss_and_dict_labels_as_target():
+    """batch_loss(fn) gets the whole batch; a plain loss_fn takes a dict batch's "labels"."""
+    x, y = classification_data(64).tensors
+    seen = []
+
+    def whole(out, batch):
+        seen.append(type(batch).__name__)
+        xb, yb = batch
+        return nn.functional.cross_entropy(out, yb) + 0 * xb.sum()
+
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    want = cpu_reference(cpu, loader, nn.functional.cross_entropy)
+    h = TPUEstimator(verbose=False).fit(tpu, loader, loss_fn=batch_loss(whole))
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert set(seen) == {"tuple"}
+
+    class DictModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, features, labels):
+            return self.net(features)
+
+    dicts = [{"features": x[i : i + 16], "labels": y[i : i + 16]} for i in range(0, 64, 16)]
+    torch.manual_seed(0)
+    m = DictModel()
+    ref = copy.deepcopy(m)
+    h = TPUEstimator(verbose=False).fit(m, dicts, loss_fn=nn.CrossEntropyLoss())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for d in dicts:
+        nn.functional.cross_entropy(ref(**d), d["labels"]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_weights_equal(m, ref)
+
+
+# ---------------------------------------------------------------------- prediction programs
+@pytest.mark.parametrize("mode", ["auto", "compile"])
+def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket(mode):
+    """Every program a pass needs is built by the first batch of each shape bucket: after a pass
+    over one batch per bucket, a pass over the whole loader, its ragged last batch included,
+    compiles nothing (cache_stats() and metrics() counts together)."""
+    from torch_tpu.estimator.execution import compile_counters
+
+    def compiles(est, model, batches):
+        c0 = compile_counters()[0]
+        out = est.predict(model, batches)
+        return compile_counters()[0] - c0, out
+
+    x = classification_data(100).tensors[0]
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 3)).to("tpu")  # shapes no other test has
+    est = TPUEstimator(mode=mode, verbose=False)
+    batches = [(x[i : i + 32],) for i in range(0, 100, 32)]  # 32, 32, 32 and 4
+    first, _ = compiles(est, model, batches[:1])
+    rest, out = compiles(est, model, batches)
+    assert first >= 1 and rest == 0, (first, rest)
+    with torch.no_grad():
+        torch.testing.assert_close(out, copy.deepcopy(model).cpu()(x), rtol=RTOL, atol=ATOL)
+
+    class PerToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(21, 8), nn.Linear(8, 21)
+
+        def forward(self, idx):
+            return self.out(self.emb(idx))
+
+    g = torch.Generator().manual_seed(5)
+    lengths = (3, 7, 5, 12, 16, 9, 6)
+    batches = [(torch.randint(0, 21, (4 if i < 6 else 2, n), generator=g),) for i, n in enumerate(lengths)]
+    est = TPUEstimator(bucket_lengths=(8, 16), mode=mode, verbose=False)
+    lm = PerToken().to("tpu")
+    first, _ = compiles(est, lm, [batches[0], batches[3]])  # buckets 8 and 16
+    rest, out = compiles(est, lm, batches)
+    assert first >= 2 and rest == 0, (first, rest)
+    assert [tuple(o.shape) for o in out] == [(b[0].shape[0], b[0].shape[1], 21) for b in batches]
+    with torch.no_grad():
+        torch.testing.assert_close(out[-1], copy.deepcopy(lm).cpu()(batches[-1][0]), rtol=RTOL, atol=ATOL)
+    if mode == "compile":  # one program per bucket, not one per op
+        assert first <= 2 * 2, first
+    torch._dynamo.reset()

@@ -4,6 +4,7 @@
     python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused|compile [--steps N]
     python -m torch_tpu.bench train --workload gpt --compare
     python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
+    python -m torch_tpu.bench predict --workload mlp|gpt [--batches 20] [--mode fused]
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
 
@@ -11,6 +12,11 @@
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
 count in ``--devices``. On XLA:CPU, counts above the host's devices use virtual CPU devices
 (``--xla_force_host_platform_device_count``): the run re-executes itself with that flag.
+
+``predict``: samples per second of ``TPUEstimator.predict`` over a loader with a ragged last
+batch (the second pass, so compiles are excluded; the programs each pass compiled are shown),
+next to the same model's forward as one jitted JAX function (``torch_tpu.export``'s program),
+fed the same batches from the host and read back to the host, as ``predict`` does.
 
 ``train``: steps per second (best of three timed windows, compile excluded), the first-step
 time, the part of it spent building XLA programs (``compile_s``: lowering and XLA's compile; the
@@ -150,6 +156,54 @@ def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 
             "platform": torch_tpu.platform()}
 
 
+def predict(workload: str, batches: int, mode: str) -> dict:
+    """``predict``'s samples/s (best of 3 passes after a warm-up pass) next to the exported
+    forward jitted by JAX over the same host batches, padded the same way."""
+    import jax
+    import numpy as np
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torch_tpu import _dtypes
+    from torch_tpu.bench import workloads
+    from torch_tpu.estimator import TPUEstimator
+    from torch_tpu.estimator.execution import compile_counters
+
+    model, step, _ = workloads.make(workload, "cpu")
+    model.eval()
+    x = step.data[0]
+    rows = x.shape[0]
+    n = batches * rows - rows // 2  # a ragged last batch of half the rows
+    data = x.repeat(batches, *([1] * (x.dim() - 1)))[:n]
+    loader = DataLoader(TensorDataset(data), batch_size=rows)
+    est = TPUEstimator(devices=1, mode=mode, verbose=False)
+    model = model.to(est)
+    compiles = []
+    best = 0.0
+    for _ in range(4):
+        c0 = compile_counters()[0]
+        t0 = time.perf_counter()
+        out = est.predict(model, loader)
+        seconds = time.perf_counter() - t0
+        compiles.append(compile_counters()[0] - c0)
+        best = max(best, n / seconds)
+    exported = torch_tpu.export(model, (x,))
+    # the artifact's jitted program, weights placed on the device once (its __call__ converts
+    # the weights on every call, which is for convenience, not speed)
+    fn, weights = exported._jitted, [jax.device_put(_dtypes.cpu_to_numpy(w)) for w in exported._weights]
+    host = [_dtypes.cpu_to_numpy(b[0]) for b in loader]
+    host[-1] = np.concatenate([host[-1], np.repeat(host[-1][:1], rows - host[-1].shape[0], 0)])
+    jax_best = 0.0
+    for _ in range(4):
+        t0 = time.perf_counter()
+        res = [fn(weights, b) for b in host]
+        outs = [np.asarray(r[0]) for r in res]
+        jax_best = max(jax_best, n / (time.perf_counter() - t0))
+    torch.testing.assert_close(torch.from_numpy(np.concatenate(outs)[:n]), out, rtol=1e-4, atol=1e-4)
+    return {"workload": workload, "mode": mode, "batches": len(host), "batch_size": rows, "samples": n,
+            "predict_samples_per_s": round(best, 1), "jax_samples_per_s": round(jax_best, 1),
+            "ratio": round(best / jax_best, 3), "compiles_per_pass": compiles, "platform": torch_tpu.platform()}
+
+
 def _estimator_table(workload: str, mode: str, steps: int, counts: list[int]) -> None:
     import jax
 
@@ -197,7 +251,17 @@ def main() -> None:
     e.add_argument("--mode", default="compile", choices=["strict", "fused", "compile"])
     e.add_argument("--steps", type=int, default=10)
     e.add_argument("--devices", default="1", help="comma-separated device counts, e.g. 1,4")
+    r = sub.add_parser("predict", help="samples/s of TPUEstimator.predict next to a jitted JAX forward")
+    r.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
+    r.add_argument("--mode", default="fused", choices=["strict", "fused", "compile"])
+    r.add_argument("--batches", type=int, default=20)
     a = p.parse_args()
+    if a.cmd == "predict":
+        r = predict(a.workload, a.batches, a.mode)
+        print(json.dumps(r))
+        print(f"{'':10s} {'samples/s':>10s}\n{'predict':10s} {r['predict_samples_per_s']:10.1f}\n"
+              f"{'jax':10s} {r['jax_samples_per_s']:10.1f}\npredict / jax: {r['ratio']:.3f}; "
+              f"programs compiled per pass: {r['compiles_per_pass']}")
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":

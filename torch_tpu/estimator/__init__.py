@@ -1,6 +1,15 @@
 """TPUEstimator: ``fit``, ``evaluate`` and ``predict`` on the tpu device (see issue 5)."""
 
-from torch_tpu.estimator.estimator import BatchError, Callback, EarlyStopping, TPUEstimator
+from torch_tpu.estimator.estimator import (
+    BatchError,
+    BatchLoss,
+    Callback,
+    EarlyStopping,
+    LossConfigError,
+    TPUEstimator,
+    batch_loss,
+)
 from torch_tpu.estimator.history import History
 
-__all__ = ["BatchError", "Callback", "EarlyStopping", "History", "TPUEstimator"]
+__all__ = ["BatchError", "BatchLoss", "Callback", "EarlyStopping", "History", "LossConfigError", "TPUEstimator",
+           "batch_loss"]

@@ -9,15 +9,21 @@ checkpoint, which is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from torch_tpu.estimator.data import map_tensors
+from torch_tpu.estimator.history import History
 
 LATEST = "latest"
 
@@ -76,3 +82,99 @@ def load(path: str, model: torch.nn.Module) -> dict[str, Any]:
     weights = load_file(os.path.join(path, "model.safetensors"))
     model.load_state_dict(weights)
     return torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+
+
+# ---------------------------------------------------------------------- a fit run's checkpoints
+@dataclass
+class RunState:
+    """Where a fit run stands: what a checkpoint records (the step, and the data position: the
+    epoch, the batches of it consumed, and the CPU RNG as the epoch began, from which the
+    loader's shuffle draws), and whether Ctrl-C was pressed."""
+
+    history: History = field(default_factory=History)
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    epoch_rng: Any = None
+    interrupted: bool = False
+
+
+class Checkpointer:
+    """Resume, save and Ctrl-C for one ``fit`` run. Without a directory, every method is a no-op.
+
+    Resuming restores the weights, optimizer, scheduler and run state at once, and the data
+    position when the first epoch begins: the CPU RNG (so the loader shuffles the same way), then,
+    once the consumed batches are skipped, the tpu RNG.
+    """
+
+    def __init__(self, directory: str | None, keep: int, resume: bool) -> None:
+        self.directory, self.keep, self.resume_enabled = directory, keep, resume
+        self._resumed: dict[str, Any] | None = None
+
+    def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, run: RunState) -> str | None:
+        """Loads the newest checkpoint into ``model``, ``opt``, ``sched`` and ``run``; its path, or None."""
+        if not (self.directory and self.resume_enabled):
+            return None
+        path = latest(self.directory)
+        if path is None:
+            return None
+        state = load(path, model)
+        opt.load_state_dict(state["optimizer"])
+        if sched is not None and state.get("scheduler") is not None:
+            sched.load_state_dict(state["scheduler"])
+        run.history = History.from_dict(state["history"])
+        run.step, run.epoch, run.batch = state["step"], state["epoch"], state["batch"]
+        self._resumed = state
+        return path
+
+    def restore_loader_rng(self) -> None:
+        """Before the first epoch's loader is iterated: the CPU RNG as the checkpoint recorded it."""
+        if self._resumed is not None:
+            st = self._resumed
+            torch.set_rng_state(st["epoch_rng"] if st["batch"] else st["cpu_rng"])
+
+    def restore_device_rng(self) -> None:
+        """Once the consumed batches are skipped: the tpu RNG (dropout continues where it was)."""
+        if self._resumed is not None:
+            torch.tpu.set_rng_state(self._resumed["tpu_rng"])
+            self._resumed = None
+
+    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, run: RunState) -> None:
+        if not self.directory:
+            return
+        state = {
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "cpu_rng": torch.get_rng_state(),
+            "tpu_rng": torch.tpu.get_rng_state(),
+            "epoch_rng": run.epoch_rng,
+            "step": run.step,
+            "epoch": run.epoch,
+            "batch": run.batch,
+            "history": run.history.to_dict(),
+        }
+        save(self.directory, model, state, run.step, keep=self.keep)
+
+    @contextlib.contextmanager
+    def interrupts(self, run: RunState, save_now: Callable[[], None], say: Callable[[str], None]) -> Iterator[None]:
+        """Ctrl-C mid-step would leave half-updated weights: the first one is noted in
+        ``run.interrupted`` (the loop stops between steps), a second one stops at once. Either
+        way a checkpoint is saved and the KeyboardInterrupt re-raised."""
+        old_handler = None
+        if self.directory and threading.current_thread() is threading.main_thread():
+            def on_sigint(signum: int, frame: Any) -> None:
+                if run.interrupted:
+                    raise KeyboardInterrupt
+                run.interrupted = True
+
+            old_handler = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.directory:
+                save_now()
+                say(f"interrupted: saved a checkpoint at step {run.step} in {self.directory}")
+            raise
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)

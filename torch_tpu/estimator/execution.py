@@ -1,0 +1,53 @@
+"""How the estimator's steps run: the eager mode, bf16 autocast, and where a step's trace ends."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import torch_tpu
+from torch_tpu.runtime import fused
+
+
+class Execution:
+    """``mode``: ``"fused"`` (each step recorded as one trace and run as one program),
+    ``"compile"`` (``torch.compile(backend="tpu")`` of the step; what Dynamo leaves outside its
+    graphs runs op by op) or ``"strict"`` (op by op). ``precision``: ``"fp32"`` or ``"bf16"``."""
+
+    def __init__(self, mode: str, precision: str) -> None:
+        self.mode, self.precision = mode, precision
+        self._compiled: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+
+    def forward(self, model: nn.Module) -> Callable[..., Any]:
+        """What ``evaluate`` and ``predict`` call: the model, or in compile mode the model under
+        ``torch.compile`` (one program per shape bucket instead of one per op), made once."""
+        if self.mode != "compile":
+            return model
+        fn = self._compiled.get(model)
+        if fn is None:
+            fn = self._compiled[model] = torch.compile(model, backend="tpu", dynamic=False)
+        return fn
+
+    def eager_mode(self) -> contextlib.AbstractContextManager:
+        return torch_tpu.set_eager_mode("fused" if self.mode == "fused" else "strict")
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(device_type="tpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def end_step(self) -> None:
+        """Cuts the fused trace: what the step recorded runs now, as one program, asynchronously."""
+        if self.mode == "fused":
+            fused.flush("step")
+
+
+def compile_counters() -> tuple[int, float]:
+    """Programs compiled so far and the seconds spent, fused traces and per-op programs together."""
+    c, m = torch_tpu.cache_stats(), torch_tpu.metrics()
+    return c["misses"] + m["compile_count"], c["compile_seconds"] + m["compile_seconds"]
