@@ -137,3 +137,24 @@ def test_storage_resize_like_cpu():
     assert st._jx is None  # resize_(0) frees the device array
     with pytest.raises(RuntimeError, match="whole number"):
         torch.zeros(4, device="tpu").untyped_storage().resize_(6)
+
+
+def test_storage_free_and_realloc_without_swap(monkeypatch):
+    """torch < 2.13 has no UntypedStorage._swap_data_ptr_, so a storage cannot shrink in C++: resize_(0)
+    frees the device array but keeps its size, and FSDP2's cycle (alloc when the size differs, write the
+    all-gather into a view, free) still reads what it wrote."""
+    from torch_tpu import _storage
+
+    monkeypatch.setattr(_storage, "_CAN_SHRINK", False)
+    flat = torch.empty(8, device="tpu")
+    st = flat.untyped_storage()
+    param = torch.as_strided(flat, (2, 4), (4, 1))
+    for step in range(2):
+        if st.size() != 32:
+            st.resize_(32)
+        flat.copy_(torch.arange(8.0) + step)
+        torch.testing.assert_close(param.cpu(), (torch.arange(8.0) + step).reshape(2, 4))
+        st.resize_(0)
+        assert st._jx is None and st.size() == 32
+    with pytest.raises(NotImplementedError, match="torch >= 2.13"):
+        st.resize_(16)
