@@ -471,7 +471,8 @@ def test_fsdp2_fully_shard_matches_single_process_and_checkpoints(tmp_path):
                 tol = {"rtol": 1e-4, "atol": 1e-5}
             assert got["state"].keys() == want.keys()
             for k, v in want.items():
-                torch.testing.assert_close(got["state"][k], v, **tol, msg=lambda m, w=f"rank {rank} {case} {k}": f"{w}: {m}")
+                where = f"rank {rank} {case} {k}"
+                torch.testing.assert_close(got["state"][k], v, **tol, msg=lambda m, w=where: f"{w}: {m}")
         assert not r["dcp_before"]
         assert r["dcp_local_equal"] and r["dcp_optim_equal"] and r["dcp_after_step"], r
 
