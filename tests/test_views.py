@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import assert_same
 
@@ -111,3 +112,49 @@ def test_transpose_of_a_flattened_view_reads_and_writes_without_a_gather():
     torch.testing.assert_close(t.view(6, 4)[::2].t().cpu(), c.view(6, 4)[::2].t())
     assert _storage._plan((2, 3, 4), (4, 6), (1, 4), 0)[0] == "reshaped"
     assert _storage._plan((2, 3, 4), (4, 3), (1, 8), 0)[0] == "reshaped"
+
+
+def test_storage_resize_like_cpu():
+    """``UntypedStorage.resize_`` as FSDP2 uses it (free with resize_(0), re-allocate with resize_(nbytes)),
+    and as CPU does it: the leading bytes survive a resize, ``size()``/``nbytes()`` follow it."""
+    for device in ("cpu", "tpu"):
+        t = torch.arange(6.0, device=device)
+        st = t.untyped_storage()
+        st.resize_(40)
+        assert (st.size(), st.nbytes()) == (40, 40)
+        torch.testing.assert_close(torch.as_strided(t, (6,), (1,)).cpu(), torch.arange(6.0))
+        st.resize_(16)
+        assert st.size() == 16
+        torch.testing.assert_close(torch.as_strided(t, (4,), (1,)).cpu(), torch.arange(4.0))
+        st.resize_(0)
+        assert st.size() == 0
+        st.resize_(24)  # re-allocated: a write through a view fills it again
+        assert st.size() == 24
+        torch.as_strided(t, (6,), (1,)).copy_(torch.full((6,), 2.0))
+        torch.testing.assert_close(t.cpu(), torch.full((6,), 2.0))
+    st = torch.zeros(4, device="tpu").untyped_storage()
+    assert st.resize_(0) is st
+    assert st._jx is None  # resize_(0) frees the device array
+    with pytest.raises(RuntimeError, match="whole number"):
+        torch.zeros(4, device="tpu").untyped_storage().resize_(6)
+
+
+def test_storage_free_and_realloc_without_swap(monkeypatch):
+    """torch < 2.13 has no UntypedStorage._swap_data_ptr_, so a storage cannot shrink in C++: resize_(0)
+    frees the device array but keeps its size, and FSDP2's cycle (alloc when the size differs, write the
+    all-gather into a view, free) still reads what it wrote."""
+    from torch_tpu import _storage
+
+    monkeypatch.setattr(_storage, "_CAN_SHRINK", False)
+    flat = torch.empty(8, device="tpu")
+    st = flat.untyped_storage()
+    param = torch.as_strided(flat, (2, 4), (4, 1))
+    for step in range(2):
+        if st.size() != 32:
+            st.resize_(32)
+        flat.copy_(torch.arange(8.0) + step)
+        torch.testing.assert_close(param.cpu(), (torch.arange(8.0) + step).reshape(2, 4))
+        st.resize_(0)
+        assert st._jx is None and st.size() == 32
+    with pytest.raises(NotImplementedError, match="torch >= 2.13"):
+        st.resize_(16)

@@ -380,23 +380,95 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 _resize_bytes = torch.UntypedStorage.resize_
+_CAN_SHRINK = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
 
 
 def _resize_storage(self: torch.UntypedStorage, size: int) -> Any:
-    """``UntypedStorage.resize_``, with a clear error for tpu storages.
+    """``UntypedStorage.resize_``, for tpu storages too.
 
-    Resizing a storage in place goes through ``resizePrivateUse1Bytes``, a C++ hook that PyTorch's
-    Python backend API does not expose; PyTorch's own message only says to register it. FSDP2
-    (``fully_shard``) is the usual caller: it frees and re-allocates unsharded parameters this way.
+    PyTorch resizes a PrivateUse1 storage through the C++ hook ``resizePrivateUse1Bytes``, which its
+    Python backend API does not expose, so the tpu case never reaches C++: see :func:`resize_storage`.
+    FSDP2 (``fully_shard``) is the caller that matters: it frees unsharded parameters with
+    ``resize_(0)`` after use and re-allocates them with ``resize_(nbytes)`` before the next all-gather.
     """
     if self.device.type == "tpu":
-        raise NotImplementedError(
-            f"UntypedStorage.resize_({size}) on tpu: resizing a storage in place needs PyTorch's C++ "
-            "PrivateUse1 hook resizePrivateUse1Bytes, which its Python backend API cannot provide. FSDP2 "
-            "(fully_shard) resizes parameter storages this way; shard parameters with "
-            "torch_tpu.distributed.shard or TPUEstimator(sharding='fsdp') instead."
-        )
+        resize_storage(self, int(size))
+        return self
     return _resize_bytes(self, size)
+
+
+def resize_storage(st: Any, nbytes: int) -> None:
+    """Resizes tpu storage ``st`` to ``nbytes`` bytes in place, as CPU's ``resize_`` does: the leading
+    bytes are kept, the new ones are uninitialised (they read as zeros), and ``resize_(0)`` frees the
+    device memory. Tensors viewing the storage see the change (their geometry is theirs to keep valid).
+
+    The jax array is the data; the C++ ``StorageImpl`` only carries ``nbytes`` (its data pointer is
+    null), which ``storage.size()`` reports and FSDP2 reads to decide whether to allocate or free.
+    It grows through the Meta ``set_`` kernel (it sets a storage's nbytes when a tensor needs more)
+    and shrinks by swapping in an empty storage's (``_swap_data_ptr_``, torch >= 2.13). On older
+    torch a storage cannot shrink in C++: ``resize_(0)`` still frees the array but keeps the
+    storage's size, so a later ``resize_`` back to it (FSDP2's re-allocation) has nothing to do.
+    """
+    if nbytes < 0:
+        raise RuntimeError(f"UntypedStorage.resize_: size must be non-negative, got {nbytes}")
+    dtype = getattr(st, "_dtype", None)
+    if dtype is None:  # a storage no tensor typed yet (raw bytes from torch.load)
+        _kernel_storage_value(st)
+        dtype = getattr(st, "_dtype", torch.uint8)
+    item = dtype.itemsize
+    if nbytes % item:
+        raise RuntimeError(
+            f"UntypedStorage.resize_({nbytes}) on tpu: the storage holds {dtype} elements of {item} bytes; "
+            "a tpu storage can only be resized to a whole number of them"
+        )
+    old = st.nbytes()
+    if nbytes == old and math.prod(getattr(st, "_shape", (0,))) * item == nbytes:
+        return
+    if nbytes < old and not _CAN_SHRINK:
+        if nbytes:
+            raise NotImplementedError(
+                f"UntypedStorage.resize_({nbytes}) on tpu: shrinking a {old}-byte storage needs torch >= 2.13 "
+                f"(UntypedStorage._swap_data_ptr_), this is {torch.__version__}; only resize_(0) (free) works"
+            )
+        st._jx = None  # free the device memory; the C++ size stays (see above)
+        return
+    n = nbytes // item
+    _set_elements(st, n, dtype)
+    if nbytes < old:
+        st._swap_data_ptr_(new_tensor((0,), torch.uint8).untyped_storage())  # now 0 bytes in C++
+    if nbytes > st.nbytes():
+        grow = torch._C._acc.create_empty_tensor((0,), torch.uint8)
+        torch.ops.aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, grow, st, 0, [nbytes], [1])
+
+
+def _set_elements(st: Any, n: int, dtype: torch.dtype) -> None:
+    """Makes the storage's array ``n`` elements long, keeping the leading ones."""
+    if n == math.prod(st._shape):
+        return
+    a = st._jx
+    if n == 0 or a is None:
+        st._shape, st._jx = (n,), None
+        return
+    st._jx = execute(_resize_program(tuple(st._shape), n, _dtypes.to_jax(dtype)), base_array(st))
+    st._shape = (n,)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resize_program(shape: tuple[int, ...], n: int, dtype: Any) -> Program:
+    def run(a: Any) -> Any:
+        flat = a.reshape(-1)
+        if n <= flat.size:
+            return flat[:n]
+        return jnp.zeros(n, dtype).at[: flat.size].set(flat)
+
+    return Program(f"resize storage {list(shape)} -> [{n}]", run)
+
+
+def _kernel_storage_value(st: Any) -> None:
+    from torch_tpu._kernels import _storage_value
+
+    if getattr(st, "_raw", None) is not None:
+        _storage_value(st, torch.uint8)
 
 
 torch.UntypedStorage.resize_ = _resize_storage

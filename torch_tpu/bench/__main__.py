@@ -7,6 +7,7 @@
     python -m torch_tpu.bench predict --workload mlp|gpt [--batches 20] [--mode fused]
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
+    python -m torch_tpu.bench fsdp [--nproc 2]                  (DDP next to FSDP2, both paths)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
@@ -232,7 +233,7 @@ def workloads_batch(workload: str) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("allreduce", "ddp"):  # multi-process: bench/distributed.py
+    if len(sys.argv) > 1 and sys.argv[1] in ("allreduce", "ddp", "fsdp"):  # multi-process: bench/distributed.py
         from torch_tpu.bench import distributed
 
         distributed.main(sys.argv[1:])

@@ -2,11 +2,14 @@
 
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]
     python -m torch_tpu.bench ddp [--nproc 1,2,4] [--steps 20]
+    python -m torch_tpu.bench fsdp [--nproc 2] [--steps 20]
 
 ``allreduce``: seconds per all-reduce (median of 5 after a warm-up) and bus bandwidth in bytes/s
 for tpu tensors on the XLA-collective path, on the gloo host path, and plain gloo on CPU tensors,
 all in the same processes. ``ddp``: steps/s of DistributedDataParallel on the MLP workload
-(784-1024-1024-10, SGD), global batch 128 split over the processes.
+(784-1024-1024-10, SGD), global batch 128 split over the processes. ``fsdp``: the same model and
+batch under DDP and under FSDP2 (``fully_shard`` on each Linear and the root), on the XLA-collective
+path and on the gloo host path, with the collectives one step issues on each path.
 """
 
 from __future__ import annotations
@@ -68,18 +71,34 @@ def _allreduce_worker(rank: int, n: int, port: int, path: str, mbs: list[int], o
 
 
 def _ddp_worker(rank: int, n: int, port: int, steps: int, out: Any) -> None:
+    _train_worker(rank, n, port, steps, "ddp", "xla", out)
+
+
+def _train_worker(rank: int, n: int, port: int, steps: int, wrap: str, path: str, out: Any) -> None:
+    """Steps/s of the MLP on this rank's share of the batch, wrapped in DDP or FSDP2 (``wrap``)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
+    from torch_tpu.distributed.c10d import TPUProcessGroup
+
     if n > 1:
-        _init(rank, n, port, "xla")
+        _init(rank, n, port, path)
+    counts: dict[str, int] = {}
+    _count_collectives(TPUProcessGroup, counts)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     model = model.to("tpu")
-    if n > 1:
+    if n > 1 and wrap == "ddp":
         model = DistributedDataParallel(model)
+    elif n > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(128 // n, 784, generator=g).to("tpu")
@@ -95,6 +114,9 @@ def _ddp_worker(rank: int, n: int, port: int, steps: int, out: Any) -> None:
     for _ in range(3):
         step()
     float(step().detach().cpu())
+    counts.clear()
+    step()
+    per_step = dict(counts)
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
@@ -103,9 +125,27 @@ def _ddp_worker(rank: int, n: int, port: int, steps: int, out: Any) -> None:
     if rank == 0:
         import torch.distributed as dist
 
-        _send(out, {"processes": n, "steps_per_s": round(rate, 2),
-                    "path": dist.group.WORLD.path if dist.is_initialized() else "none"})
+        _send(out, {"wrap": wrap if n > 1 else "none", "processes": n, "steps_per_s": round(rate, 2),
+                    "path": dist.group.WORLD.path if dist.is_initialized() else "none",
+                    "collectives_per_step": per_step})
     os._exit(0)
+
+
+def _count_collectives(group_type: Any, counts: dict[str, int]) -> None:
+    """Counts the group's collectives by path (``xla:`` or ``host:`` and c10d's name) in ``counts``."""
+    run_xla, run_host = group_type._xla, group_type._run
+
+    def xla(self: Any, op: str, *args: Any) -> Any:
+        work = run_xla(self, op, *args)
+        if work is not None:
+            counts[f"xla:{op}"] = counts.get(f"xla:{op}", 0) + 1
+        return work
+
+    def host(self: Any, op: str, *args: Any, **kw: Any) -> Any:
+        counts[f"host:{op}"] = counts.get(f"host:{op}", 0) + 1
+        return run_host(self, op, *args, **kw)
+
+    group_type._xla, group_type._run = xla, host
 
 
 def _send(q: Any, value: Any) -> None:
@@ -143,11 +183,15 @@ def ddp(counts: list[int], steps: int) -> list[dict]:
     return [_spawn(_ddp_worker, n, steps) for n in counts]
 
 
+def fsdp(nproc: int, steps: int) -> list[dict]:
+    return [_spawn(_train_worker, nproc, steps, wrap, path) for path in ("xla", "host") for wrap in ("ddp", "fsdp")]
+
+
 def main(argv: list[str]) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m torch_tpu.bench allreduce|ddp")
-    p.add_argument("cmd", choices=["allreduce", "ddp"])
+    p = argparse.ArgumentParser(prog="python -m torch_tpu.bench allreduce|ddp|fsdp")
+    p.add_argument("cmd", choices=["allreduce", "ddp", "fsdp"])
     p.add_argument("--nproc", default=None)
     p.add_argument("--mb", default="1,64")
     p.add_argument("--steps", type=int, default=20)
@@ -159,6 +203,14 @@ def main(argv: list[str]) -> None:
         print(f"{'MB':>4s} {'tensors':8s} {'path':10s} {'ms':>9s} {'GB/s (bus)':>11s}")
         for r in rows:
             print(f"{r['mb']:4d} {r['tensors']:8s} {r['path']:10s} {r['ms']:9.2f} {r['bus_bytes_per_s'] / 1e9:11.3f}")
+    elif a.cmd == "fsdp":
+        rows = fsdp(int(a.nproc or 2), a.steps)
+        for r in rows:
+            print(json.dumps(r))
+        print(f"{'wrap':5s} {'path':10s} {'steps/s':>8s}  collectives per step")
+        for r in rows:
+            per = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives_per_step"].items()))
+            print(f"{r['wrap']:5s} {r['path']:10s} {r['steps_per_s']:8.2f}  {per}")
     else:
         rows = ddp([int(n) for n in (a.nproc or "1,2,4").split(",")], a.steps)
         for r in rows:
