@@ -23,6 +23,7 @@ import logging
 import math
 import operator
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import torch
 import torch._decomp
 
-from torch_tpu import _dtypes, _rng
+from torch_tpu import _device, _dtypes, _rng
 from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.ops.graph import foreach_lowering
@@ -624,7 +625,45 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     skip_our_frames()
     _no_inductor_for_optimizer_guards()
     _no_guard_latency_profile()
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
-        keep_inference_input_mutations=True,
-    )
+    try:
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
+            keep_inference_input_mutations=True,
+        )
+    except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
+        lost = _device.take_lost_exception()
+        if lost is None:
+            raise
+        if not isinstance(lost, _DATA_DEPENDENT):
+            raise lost from e
+        return _eager_graph(gm, lost)
+    except _DATA_DEPENDENT as e:
+        return _eager_graph(gm, e)
+
+
+def _data_dependent() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+_DATA_DEPENDENT = _data_dependent()
+
+
+def _eager_graph(gm: torch.fx.GraphModule, why: BaseException) -> Callable:
+    """A graph whose forward or backward has an op with a data-dependent shape (the gradient of
+    ``x[mask] = v`` reads ``grad[mask]``): no static XLA program computes it, so Dynamo's graph runs
+    op by op in eager mode, where every op is served; warned once per op."""
+    what = str(getattr(why, "func", "")) or type(why).__name__
+    if what not in _WARNED_EAGER:
+        _WARNED_EAGER.add(what)
+        warnings.warn(
+            f"torch.compile(backend='tpu'): {what} has a data-dependent shape in this graph (forward or backward); "
+            "the graph runs in eager mode", stacklevel=2,
+        )
+    metrics.eager_graphs[what] += 1
+    return gm.forward
+
+
+_WARNED_EAGER: set[str] = set()
