@@ -161,52 +161,6 @@ def arange(start, end=None, step=1, dtype=None):
     return start + jnp.arange(n) * step
 
 
-# Batch norm: eager mode serves these with hand-written kernels that update running statistics in
-# place; a functional graph returns the new statistics instead.
-@lower(aten._native_batch_norm_legit_functional.default, graph_only=True)
-def batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
-    """In eval mode torch's meta kernel (which traces the graph) gives the saved statistics shape
-    (C,) where CPU gives (0,); the graph's shapes rule, so they are the running statistics."""
-    from torch_tpu.ops.nn import batch_norm_math
-
-    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum,
-                                                eps)
-    if not training:
-        mean, invstd = running_mean, lax.rsqrt(running_var + eps)
-    return out, mean, invstd, rm, rv
-
-
-@lower(aten._native_batch_norm_legit_no_training.default, graph_only=True)
-def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
-    return batch_norm_functional(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
-
-
-@lower(aten._batch_norm_with_update_functional.default, graph_only=True)
-def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
-    """(out, save_mean, save_invstd, reserve, new running mean, new running var)."""
-    from torch_tpu.ops.nn import batch_norm_math
-
-    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, True, momentum, eps)
-    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), rm, rv
-
-
-@lower(aten._native_batch_norm_legit.no_stats, graph_only=True)
-def batch_norm_no_stats(input, weight, bias, training, momentum, eps):
-    from torch_tpu.ops.nn import batch_norm_math
-
-    return batch_norm_math(input, weight, bias, None, None, True, momentum, eps)[:3]
-
-
-@lower(aten.native_batch_norm_backward.default, graph_only=True)
-def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                        output_mask):
-    from torch_tpu.ops.nn import _bn_backward
-
-    grads = iter(_bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps,
-                              output_mask))
-    return tuple(next(grads) if m else None for m in output_mask)
-
-
 # The _foreach_* ops (the optimizers' multi-tensor path) apply one op to each element of lists.
 # Each is mapped here onto the lowering of its single-tensor op. In eager mode that makes one
 # program per list, where torch's per-tensor composite would dispatch one op per tensor (an AdamW
