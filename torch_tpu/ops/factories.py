@@ -25,6 +25,13 @@ from torch_tpu.runtime import metrics
 from torch_tpu.runtime.executor import execute
 
 
+@lower(aten._efficientzerotensor.default)
+def efficientzerotensor(size, dtype=None):
+    """Zeros (the gradient of ``sgn`` and others where torch knows the result is zero); a plain
+    array: tpu has no ZeroTensor layout to save memory with."""
+    return jnp.zeros(tuple(size), _dtypes.to_jax(dtype) if dtype is not None else jnp.float32)
+
+
 def _all_int(*xs) -> bool:
     return all(isinstance(x, int | bool) for x in xs)
 

@@ -1370,6 +1370,21 @@ def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padd
 lower(aten.grid_sampler_3d_backward.default, by_name=True)(_grid_sampler_3d_backward)
 
 
+def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
+                              output_mask):
+    """The vjp of the forward lowering (bicubic included), for the results ``output_mask`` asks for."""
+    def fwd(x, g):
+        return grid_sampler_2d(x, g, interpolation_mode, padding_mode, align_corners)
+
+    x, g = _acc(input), _acc(grid)
+    _, vjp = jax.vjp(fwd, x, g)
+    gx, gg = vjp(_acc(grad_output).astype(x.dtype))
+    return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+
+
+lower(aten.grid_sampler_2d_backward.default, by_name=True)(_grid_sampler_2d_backward)
+
+
 # ======================================================================= antialiased resampling
 def _aa_filter(kind: str, x: np.ndarray) -> np.ndarray:
     x = np.abs(x)
