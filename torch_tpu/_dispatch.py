@@ -143,6 +143,8 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
 class _OpKernel:
     """The PrivateUse1 kernel of one ATen overload, backed by one lowering."""
 
+    counts_itself = True  # in metrics()["op_counts"], first thing in __call__
+
     def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, kind: str) -> None:
         self.op = op
         self.name = str(op)
@@ -270,6 +272,7 @@ def _describe(s: Any) -> str:
 # ------------------------------------------------------------------------------ registration
 _libs: dict[str, torch.library.Library] = {}
 REGISTERED: dict[str, str] = {}  # overload name -> how it is served
+KERNELS: dict[str, Callable] = {}  # overload name -> its PrivateUse1 kernel (each counts its calls)
 
 
 def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
@@ -279,14 +282,47 @@ def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
         return False
 
 
+def _counting(name: str, fn: Callable) -> Callable:
+    """``fn``, each call counted in ``metrics()["op_counts"]`` under the overload's name."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += 1
+        return fn(*args, **kwargs)
+
+    run.counts_itself = True
+    return run
+
+
+def _eager_section(name: str, fn: Callable) -> Callable:
+    """``fn`` counted (unless it counts itself), and run as in strict mode when fused mode records
+    (it may read the host)."""
+    count = 0 if getattr(fn, "counts_itself", False) else 1
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += count
+        if not executor.recording():
+            return fn(*args, **kwargs)
+        with executor.eager_section():
+            return fn(*args, **kwargs)
+
+    run.counts_itself = True
+    return run
+
+
 def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
-    """Registers ``fn`` as the PrivateUse1 kernel of ``op``."""
+    """Registers ``fn`` as the PrivateUse1 kernel of ``op``: the one way an op gets served, so
+    every served op is counted, whatever serves it."""
+    if not getattr(fn, "counts_itself", False):
+        fn = _counting(str(op), fn)
     namespace, name = op.name().split("::", 1)  # "aten", "add.Tensor"
     lib = _libs.get(namespace)
     if lib is None:
         lib = _libs[namespace] = torch.library.Library(namespace, "IMPL")
     lib.impl(name, fn, "PrivateUse1")
     REGISTERED[str(op)] = how
+    KERNELS[str(op)] = fn
 
 
 def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Callable], Callable]:
@@ -298,18 +334,12 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
     """
 
     def deco(fn: Callable) -> Callable:
-        run = fn
-        if not fusable:
-
-            @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                if not executor.recording():
-                    return fn(*args, **kwargs)
-                with executor.eager_section():
-                    return fn(*args, **kwargs)
-
         for op in ops:
-            register_kernel(op, run, "kernel")
+            name = str(op)
+            if fusable:
+                register_kernel(op, fn, "kernel")  # counted by register_kernel, unless it counts itself
+            else:
+                register_kernel(op, _eager_section(name, fn), "kernel")
         return fn
 
     return deco
@@ -361,6 +391,7 @@ def _out_from_functional(out_op: torch._ops.OpOverload, functional: torch._ops.O
             t.copy_(r)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    run.counts_itself = True  # as the functional op it runs, which counts itself
     return run
 
 

@@ -78,12 +78,38 @@ _PYTHON_OPS: dict[Callable, Callable] = {
 }
 
 
+aten = torch.ops.aten
+_DATA_DEPENDENT_SHAPE = "its result's shape depends on the values (Dynamo breaks the graph before it)"
+# Ops eager mode serves (hand kernels) that no graph computes, each with why. A graph naming one
+# raises NotImplementedError with the reason; tests/test_serving.py keeps this list and the serving
+# table in step. Mutating overloads are not listed: functional graphs name their functional twin.
+GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
+    aten.masked_select.default: _DATA_DEPENDENT_SHAPE,
+    aten.nonzero.default: _DATA_DEPENDENT_SHAPE,
+    aten.bincount.default: _DATA_DEPENDENT_SHAPE,
+    aten.repeat_interleave.Tensor: _DATA_DEPENDENT_SHAPE,
+    aten._unique.default: _DATA_DEPENDENT_SHAPE,
+    aten._unique2.default: _DATA_DEPENDENT_SHAPE,
+    aten.unique_dim.default: _DATA_DEPENDENT_SHAPE,
+    aten.unique_consecutive.default: _DATA_DEPENDENT_SHAPE,
+    aten.linalg_lstsq.default: "which results CPU returns depends on the matrices' ranks (a host read)",
+    aten._local_scalar_dense.default: "it reads a value on the host (.item()); Dynamo breaks the graph there",
+    aten.equal.default: "its result is a Python bool read on the host; Dynamo breaks the graph there",
+    aten._copy_from.default: "a transfer between devices; graphs move tensors with _to_copy",
+    aten._copy_from_and_resize.default: "a transfer between devices; graphs move tensors with _to_copy",
+    aten.native_batch_norm.default: "it writes the running statistics; AOTAutograd traces "
+                                    "_native_batch_norm_legit_functional instead",
+}
+
+
 def _lowering_of(target: Any) -> Any:
     lowering = LOWERINGS.get(target)
     if lowering is None and isinstance(target, torch._ops.OpOverload):
         lowering = foreach_lowering(target)
     if lowering is None:
-        raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph")
+        why = GRAPH_UNSERVED.get(target)
+        raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph"
+                                  + (f": {why}" if why else ""))
     return lowering
 
 

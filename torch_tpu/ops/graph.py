@@ -123,6 +123,21 @@ def to_copy(self, dtype=None, non_blocking=False):
     return self if dtype is None else self.astype(_dtypes.to_jax(dtype))
 
 
+@lower(aten.view.dtype, graph_only=True)
+def view_dtype(self, dtype):
+    """A bit reinterpretation (eager mode's kernel copies the same way: a typed array is no view)."""
+    a, b = self.dtype, _dtypes.to_jax(dtype)
+    if a == b:
+        return self
+    if a.itemsize == b.itemsize:
+        return lax.bitcast_convert_type(self, b)
+    if a.itemsize > b.itemsize:  # each element becomes several: the last dimension grows
+        out = lax.bitcast_convert_type(self, b)
+        return out.reshape(*self.shape[:-1], self.shape[-1] * (a.itemsize // b.itemsize))
+    k = b.itemsize // a.itemsize
+    return lax.bitcast_convert_type(self.reshape(*self.shape[:-1], self.shape[-1] // k, k), b)
+
+
 @lower(aten.copy.default, graph_only=True)
 def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
@@ -301,6 +316,11 @@ def index_put(self, indices, values, accumulate=False):
     if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
         return _masked_put(self, indices, values, accumulate)
     return _index_put(self, indices, values, accumulate)
+
+
+@lower(aten._index_put_impl.default, graph_only=True)
+def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
+    return index_put(self, indices, values, accumulate)
 
 
 def _masked_put(self, indices, values, accumulate):

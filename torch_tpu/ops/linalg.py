@@ -73,6 +73,8 @@ def lower_variants(*ops: torch._ops.OpOverload, variants: dict, choose):
                 def run(*args, _k=by_variant, **kwargs):
                     return _k[choose(*args, **kwargs)](*args, **kwargs)
 
+                run.counts_itself = True  # the variant's kernel counts the call
+
                 register_kernel(target, run, f"lowering ({kind})")
         return fn
 

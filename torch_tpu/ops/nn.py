@@ -27,7 +27,7 @@ from torch_tpu import _dtypes
 from torch_tpu._dispatch import _meta, device_mismatch, register_kernel
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.runtime import checks, metrics
+from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -144,10 +144,8 @@ _FUNCTIONAL_BN = (aten._native_batch_norm_legit_functional.default, aten._batch_
 
 def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, reserve: bool) -> Callable:
     """A kernel for one batch-norm entry point: runs the math and writes running stats in place."""
-    name = str(op)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        metrics.op_counts[name] += 1
         metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
         b = _bind(op, args, kwargs)
         training = b.get("training", fixed_training)
@@ -210,6 +208,13 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var, traini
 @lower(aten._native_batch_norm_legit_no_training.default, graph_only=True, own_shapes=True)
 def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
     return batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@lower(aten._batch_norm_no_update.default, graph_only=True, own_shapes=True)
+def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """(out, save_mean, save_invstd, reserve): eval mode, nothing saved, as on CPU."""
+    out, mean, invstd, _, _ = batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8)
 
 
 @lower(aten._batch_norm_with_update_functional.default, graph_only=True)
