@@ -12,6 +12,7 @@ not exist raises ``RuntimeError`` as CUDA does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -218,9 +219,35 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
+# Any C function called through ctypes.pythonapi: after the call ctypes raises the pending Python
+# error, if one is set, which is how ``_Guard.type_`` takes it over.
+_PROBE = ctypes.pythonapi.Py_GetRecursionLimit
+_lost: list[BaseException] = []
+
+
 class _Guard(torch._C._acc.DeviceGuard):
     def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+        """PyTorch's Python device guard asks this for the device type, also from ``noexcept``
+        destructors (a stream guard in the autograd engine). When a ``__torch_dispatch__`` mode
+        (fake tensors: AOTAutograd tracing a backward) raises inside a backward node, torch unwinds
+        with the Python error still pending; calling Python then fails, and the failure inside a
+        ``noexcept`` function is ``std::terminate``: the process aborted. The pending error is taken
+        here instead and kept (:func:`take_lost_exception`); the engine then raises a
+        ``SystemError`` that the caller can replace with it."""
+        try:
+            _PROBE()
+        except BaseException as e:  # the pending error, now raised and caught: nothing pending
+            _lost.append(e)
+            del _lost[:-4]
+        return _PRIVATEUSE1
+
+
+def take_lost_exception() -> BaseException | None:
+    """The last exception :meth:`_Guard.type_` took over from an unwinding backward, or None."""
+    e = _lost[-1] if _lost else None
+    _lost.clear()
+    return e
 
 
 def register() -> None:

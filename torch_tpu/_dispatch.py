@@ -26,12 +26,11 @@ import torch
 
 from torch_tpu import _dtypes, _rng
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
-from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
+from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering, dispatcher_overloads, is_mutating
 from torch_tpu.runtime import executor, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
-_IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
 
 
 class _Tensor(tuple):
@@ -122,17 +121,19 @@ def _meta(a: Any) -> Any:
     return a
 
 
-def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Runs torch's meta kernel: raises CPU's errors, returns meta tensors of the results."""
+def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                 meta: Callable | None = None) -> list[torch.Tensor | None]:
+    """Runs torch's meta kernel (or ``meta``, standing in for it): raises CPU's errors, returns meta
+    tensors of the results, None for an undefined one (a backward's ``output_mask``)."""
     # a generator changes no shape, and torch's reference meta kernels refuse one (exponential_)
-    out = op(*_meta(args), **{k: None if k == "generator" else _meta(v) for k, v in kwargs.items()})
+    out = (meta or op)(*_meta(args), **{k: None if k == "generator" else _meta(v) for k, v in kwargs.items()})
     if out is None:  # an in-place op on a list (_foreach_mul_): no result
         return []
     if isinstance(out, torch.Tensor):
         return [out]
-    flat: list[torch.Tensor] = []
+    flat: list[torch.Tensor | None] = []
     for o in out:
-        if isinstance(o, torch.Tensor):
+        if o is None or isinstance(o, torch.Tensor):
             flat.append(o)
         else:
             flat.extend(o)
@@ -141,6 +142,8 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[t
 
 class _OpKernel:
     """The PrivateUse1 kernel of one ATen overload, backed by one lowering."""
+
+    counts_itself = True  # in metrics()["op_counts"], first thing in __call__
 
     def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, kind: str) -> None:
         self.op = op
@@ -155,46 +158,37 @@ class _OpKernel:
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
         self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
         self.single = len(schema.returns) == 1 and not self.returns_list
-        self.cache: dict[Any, tuple[Program, list[tuple[tuple[int, ...], torch.dtype]]]] = {}
+        # signature -> (program, per result (shape, dtype) or None when undefined, whether every
+        # result is defined and of the meta kernel's shape)
+        self.cache: dict[Any, tuple[Program, list, bool]] = {}
 
     # -- building a program for one signature
-    def _build(self, key: Any, args: tuple, kwargs: dict) -> tuple[Program, list]:
+    def _build(self, key: Any, args: tuple, kwargs: dict) -> tuple[Program, list, bool]:
         pos_spec, kw_spec = key
         sig = ", ".join(_describe(s) for s in pos_spec)
         try:
-            metas = meta_outputs(self.op, args, kwargs)
+            metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
             raise _named(e, f"{self.name}({sig})") from e
         if self.kind == "inplace":
             metas = list(_meta(args[0])) if isinstance(args[0], (list, tuple)) else [_meta(args[0])]
-        avals = [(tuple(m.shape), m.dtype) for m in metas]
-        jax_dtypes = [_dtypes.to_jax(d) for _, d in avals]
-        fn = self.lowering.fn
-        random = self.lowering.random
+        avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
+        outs = [None if a is None else (a[0], _dtypes.to_jax(a[1])) for a in avals]
+        lowering = self.lowering
+        random = lowering.random
         name = self.name
         kw_names = [k for k, _ in kw_spec]
 
         def program(*inputs):
             it = iter(inputs)
-            pre = [_rng.key_from(next(it), next(it))] if random else []
+            key = _rng.key_from(next(it), next(it)) if random else None
             pargs = [_rebuild(s, it) for s in pos_spec]
             pkw = {k: _rebuild(s, it) for k, s in zip(kw_names, (s for _, s in kw_spec))}
-            res = fn(*pre, *pargs, **pkw)
-            res = list(res) if isinstance(res, (tuple, list)) else [res]
-            if len(res) != len(avals):
-                raise RuntimeError(f"lowering of {name} returned {len(res)} outputs, expected {len(avals)}")
-            outs = []
-            for r, (shape, _), jdt in zip(res, avals, jax_dtypes):
-                r = jnp.asarray(r)
-                if r.dtype != jdt:
-                    r = r.astype(jdt)
-                if tuple(r.shape) != shape:
-                    r = jnp.broadcast_to(r, shape)  # raises if the lowering got the shape wrong
-                outs.append(r)
-            return tuple(outs)
+            return tuple(r for r in lowering.apply(key, pargs, pkw, outs, name) if r is not None)
 
-        out_avals = [jax.ShapeDtypeStruct(shape, jdt) for (shape, _), jdt in zip(avals, jax_dtypes)]
-        return Program(f"{name}({sig})", program, multi=True, avals=out_avals), avals
+        out_avals = None if lowering.own_shapes else [jax.ShapeDtypeStruct(*o) for o in outs if o is not None]
+        exact = not lowering.own_shapes and None not in avals
+        return Program(f"{name}({sig})", program, multi=True, avals=out_avals), avals, exact
 
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -212,7 +206,7 @@ class _OpKernel:
             kw = tuple([
                 (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
                 for k, v in kwargs.items()
-                if k not in _IGNORED_KWARGS and k not in self.out_names
+                if k not in IGNORED_KWARGS and k not in self.out_names
             ])
             key = (pos, kw)
         else:
@@ -220,7 +214,7 @@ class _OpKernel:
         entry = self.cache.get(key)
         if entry is None:
             entry = self.cache[key] = self._build(key, args, kwargs)
-        program, avals = entry
+        program, avals, exact = entry
         if self.lowering.random:
             generator = kwargs.get("generator")
             if generator is None and self.generator_at is not None and self.generator_at < len(args):
@@ -243,10 +237,18 @@ class _OpKernel:
                     set_base(t, shape, t.dtype, None)
                 write(t, value)
             return targets[0] if len(targets) == 1 else tuple(targets)
-        tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
+        if exact:
+            tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
+        else:  # results undefined by an output_mask (None), or of the lowering's own shapes
+            it = iter(outs)
+            tensors = [None if a is None else _own(next(it), a[1]) for a in avals]
         if self.single:
             return tensors[0]
         return tensors if self.returns_list else tuple(tensors)
+
+
+def _own(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    return new_tensor(tuple(value.shape), dtype, value)
 
 
 def _named(e: Exception, where: str) -> Exception:
@@ -270,6 +272,7 @@ def _describe(s: Any) -> str:
 # ------------------------------------------------------------------------------ registration
 _libs: dict[str, torch.library.Library] = {}
 REGISTERED: dict[str, str] = {}  # overload name -> how it is served
+KERNELS: dict[str, Callable] = {}  # overload name -> its PrivateUse1 kernel (each counts its calls)
 
 
 def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
@@ -279,14 +282,47 @@ def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
         return False
 
 
+def _counting(name: str, fn: Callable) -> Callable:
+    """``fn``, each call counted in ``metrics()["op_counts"]`` under the overload's name."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += 1
+        return fn(*args, **kwargs)
+
+    run.counts_itself = True
+    return run
+
+
+def _eager_section(name: str, fn: Callable) -> Callable:
+    """``fn`` counted (unless it counts itself), and run as in strict mode when fused mode records
+    (it may read the host)."""
+    count = 0 if getattr(fn, "counts_itself", False) else 1
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        metrics.op_counts[name] += count
+        if not executor.recording():
+            return fn(*args, **kwargs)
+        with executor.eager_section():
+            return fn(*args, **kwargs)
+
+    run.counts_itself = True
+    return run
+
+
 def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
-    """Registers ``fn`` as the PrivateUse1 kernel of ``op``."""
+    """Registers ``fn`` as the PrivateUse1 kernel of ``op``: the one way an op gets served, so
+    every served op is counted, whatever serves it."""
+    if not getattr(fn, "counts_itself", False):
+        fn = _counting(str(op), fn)
     namespace, name = op.name().split("::", 1)  # "aten", "add.Tensor"
     lib = _libs.get(namespace)
     if lib is None:
         lib = _libs[namespace] = torch.library.Library(namespace, "IMPL")
     lib.impl(name, fn, "PrivateUse1")
     REGISTERED[str(op)] = how
+    KERNELS[str(op)] = fn
 
 
 def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Callable], Callable]:
@@ -298,19 +334,14 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
     """
 
     def deco(fn: Callable) -> Callable:
-        run = fn
-        if not fusable:
-
-            @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                if not executor.recording():
-                    return fn(*args, **kwargs)
-                with executor.eager_section():
-                    return fn(*args, **kwargs)
-
         for op in ops:
-            if op is not None:  # None: an op this torch version lacks (torch_tpu._compat.aten_overload)
-                register_kernel(op, run, "kernel")
+            if op is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
+                continue
+            name = str(op)
+            if fusable:
+                register_kernel(op, fn, "kernel")  # counted by register_kernel, unless it counts itself
+            else:
+                register_kernel(op, _eager_section(name, fn), "kernel")
         return fn
 
     return deco
@@ -362,6 +393,7 @@ def _out_from_functional(out_op: torch._ops.OpOverload, functional: torch._ops.O
             t.copy_(r)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    run.counts_itself = True  # as the functional op it runs, which counts itself
     return run
 
 
@@ -394,7 +426,7 @@ def register_lowerings() -> int:
         if lowering.graph_only:
             continue
         kind = "inplace" if is_mutating(op) else "functional"
-        todo = [(op, kind)] + (_twins(op) if kind == "functional" else [])
+        todo = [(op, kind)] + (_twins(op) if kind == "functional" and lowering.twins else [])
         for target, k in todo:
             if str(target) in REGISTERED or _has_kernel(target, "CompositeImplicitAutograd"):
                 continue

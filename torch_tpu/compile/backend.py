@@ -23,6 +23,7 @@ import logging
 import math
 import operator
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,9 @@ import jax.numpy as jnp
 import torch
 import torch._decomp
 
-from torch_tpu import _dtypes, _rng
+from torch_tpu import _device, _dtypes, _rng
 from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
-from torch_tpu.ops._registry import LOWERINGS
+from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import checks as value_checks
 from torch_tpu.runtime import executor, fused, metrics
@@ -75,7 +76,30 @@ _PYTHON_OPS: dict[Callable, Callable] = {
     torch.ops.aten._assert_scalar.default: _assert_scalar,
     torch.ops.aten.sym_constrain_range_for_size.default: lambda *args, **kwargs: None,
 }
-_IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
+
+
+aten = torch.ops.aten
+_DATA_DEPENDENT_SHAPE = "its result's shape depends on the values (Dynamo breaks the graph before it)"
+# Ops eager mode serves (hand kernels) that no graph computes, each with why. A graph naming one
+# raises NotImplementedError with the reason; tests/test_serving.py keeps this list and the serving
+# table in step. Mutating overloads are not listed: functional graphs name their functional twin.
+GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
+    aten.masked_select.default: _DATA_DEPENDENT_SHAPE,
+    aten.nonzero.default: _DATA_DEPENDENT_SHAPE,
+    aten.bincount.default: _DATA_DEPENDENT_SHAPE,
+    aten.repeat_interleave.Tensor: _DATA_DEPENDENT_SHAPE,
+    aten._unique.default: _DATA_DEPENDENT_SHAPE,
+    aten._unique2.default: _DATA_DEPENDENT_SHAPE,
+    aten.unique_dim.default: _DATA_DEPENDENT_SHAPE,
+    aten.unique_consecutive.default: _DATA_DEPENDENT_SHAPE,
+    aten.linalg_lstsq.default: "which results CPU returns depends on the matrices' ranks (a host read)",
+    aten._local_scalar_dense.default: "it reads a value on the host (.item()); Dynamo breaks the graph there",
+    aten.equal.default: "its result is a Python bool read on the host; Dynamo breaks the graph there",
+    aten._copy_from.default: "a transfer between devices; graphs move tensors with _to_copy",
+    aten._copy_from_and_resize.default: "a transfer between devices; graphs move tensors with _to_copy",
+    aten.native_batch_norm.default: "it writes the running statistics; AOTAutograd traces "
+                                    "_native_batch_norm_legit_functional instead",
+}
 
 
 def _lowering_of(target: Any) -> Any:
@@ -83,7 +107,9 @@ def _lowering_of(target: Any) -> Any:
     if lowering is None and isinstance(target, torch._ops.OpOverload):
         lowering = foreach_lowering(target)
     if lowering is None:
-        raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph")
+        why = GRAPH_UNSERVED.get(target)
+        raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph"
+                                  + (f": {why}" if why else ""))
     return lowering
 
 
@@ -268,7 +294,7 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                     c = read(c) if is_tpu(c) else jnp.asarray(_dtypes.cpu_to_numpy(c))
                 env[n] = c
             elif n.op == "call_function" and n.target is _WITH_EFFECTS:
-                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
+                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in IGNORED_KWARGS}
                 env[n] = _run_effect(n.args[1], val(n.args[2:]), kwargs, n.meta.get("val"))
             elif n.op == "call_function" and n.target in _TOKEN_OPS:
                 env[n] = _token() if n.target is _TOKEN_OPS[0] else None
@@ -283,14 +309,13 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                     env[n] = jnp.broadcast_to(v, tuple(dst.shape))
             elif n.op == "call_function":
                 args = val(n.args)
-                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in _IGNORED_KWARGS}
+                kwargs = {k: val(v) for k, v in n.kwargs.items() if k not in IGNORED_KWARGS}
                 if n.target in _PYTHON_OPS:
                     env[n] = _PYTHON_OPS[n.target](*args, **kwargs)
                     continue
                 lowering = _lowering_of(n.target)
-                pre = [_rng.key_from(*next(rng_it))] if lowering.random else []
-                r = lowering.fn(*pre, *args, **kwargs)
-                env[n] = _match_meta(r, n.meta.get("val"))
+                key = _rng.key_from(*next(rng_it)) if lowering.random else None
+                env[n] = _apply(lowering, key, args, kwargs, n.meta.get("val"), n.target)
             elif n.op == "output":
                 return (tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
                         + tuple(value(env) for value, _, _ in checked))
@@ -300,6 +325,25 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
     # ``fn.checks`` holds (the error it raises, given the first nonzero value; the array's meta)
     fn.checks = [(error, meta) for _, error, meta in checked]
     return fn, n_random, out_metas
+
+
+def _out_spec(m: Any) -> tuple | None:
+    """What :meth:`Lowering.apply` checks a result against, from the node's traced value."""
+    if m is None:
+        return None
+    shape = tuple(m.shape) if all(type(d) is int for d in m.shape) else None  # symbolic: not checked
+    return shape, _dtypes.to_jax(m.dtype)
+
+
+def _apply(lowering: Lowering, key: Any, args: Any, kwargs: dict, meta: Any, target: Any) -> Any:
+    """One node through the protocol eager mode uses (:meth:`Lowering.apply`): a tensor, or a
+    tuple or list of tensors (None where undefined), shaped as the node's traced value."""
+    if isinstance(meta, torch.Tensor):
+        return lowering.apply(key, args, kwargs, [_out_spec(meta)], str(target))[0]
+    if isinstance(meta, (list, tuple)) and all(m is None or isinstance(m, torch.Tensor) for m in meta):
+        return type(meta)(lowering.apply(key, args, kwargs, [_out_spec(m) for m in meta], str(target)))
+    r = lowering.fn(key, *args, **kwargs) if lowering.random else lowering.fn(*args, **kwargs)
+    return _match_meta(r, meta)  # nested results (a tuple of lists) or no traced value
 
 
 def _match_meta(r: Any, meta: Any) -> Any:
@@ -402,6 +446,12 @@ def _static_avals(metas: list) -> list | None:
     return avals
 
 
+def _own_shapes(gm: torch.fx.GraphModule) -> bool:
+    """Whether a node's lowering gives results of shapes other than the trace's (``own_shapes``)."""
+    return any(n.op == "call_function" and getattr(LOWERINGS.get(n.target), "own_shapes", False)
+               for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload))
+
+
 def _size_symbols(placeholders: list[torch.fx.Node]) -> dict[Any, tuple[int, int | None]]:
     """Where each symbolic size of a dynamic-shape graph comes from: (input position, None) for a
     symbolic int input, (input position, dim) for a tensor input's symbolic dimension."""
@@ -441,8 +491,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     symbols = _size_symbols(placeholders)
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
-    avals = _static_avals(out_metas + [placeholders[i].meta.get("val") for i in mutated]
-                          + [meta for _, meta in fn.checks])
+    avals = None if _own_shapes(gm) else _static_avals(
+        out_metas + [placeholders[i].meta.get("val") for i in mutated] + [meta for _, meta in fn.checks])
     run_host = _host_program(gm, host_nodes, host_outs) if host_outs or host_mutations else None
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
@@ -624,7 +674,45 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     skip_our_frames()
     _no_inductor_for_optimizer_guards()
     _no_guard_latency_profile()
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
-        keep_inference_input_mutations=True,
-    )
+    try:
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
+            keep_inference_input_mutations=True,
+        )
+    except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
+        lost = _device.take_lost_exception()
+        if lost is None:
+            raise
+        if not isinstance(lost, _DATA_DEPENDENT):
+            raise lost from e
+        return _eager_graph(gm, lost)
+    except _DATA_DEPENDENT as e:
+        return _eager_graph(gm, e)
+
+
+def _data_dependent() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+_DATA_DEPENDENT = _data_dependent()
+
+
+def _eager_graph(gm: torch.fx.GraphModule, why: BaseException) -> Callable:
+    """A graph whose forward or backward has an op with a data-dependent shape (the gradient of
+    ``x[mask] = v`` reads ``grad[mask]``): no static XLA program computes it, so Dynamo's graph runs
+    op by op in eager mode, where every op is served; warned once per op."""
+    what = str(getattr(why, "func", "")) or type(why).__name__
+    if what not in _WARNED_EAGER:
+        _WARNED_EAGER.add(what)
+        warnings.warn(
+            f"torch.compile(backend='tpu'): {what} has a data-dependent shape in this graph (forward or backward); "
+            "the graph runs in eager mode", stacklevel=2,
+        )
+    metrics.eager_graphs[what] += 1
+    return gm.forward
+
+
+_WARNED_EAGER: set[str] = set()

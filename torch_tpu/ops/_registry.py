@@ -8,12 +8,17 @@ the shape. A lowering never knows which mode runs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import jax.numpy as jnp
 import torch
 
 aten = torch.ops.aten
+# Arguments no lowering sees: where a result lives and how it is laid out are the backend's, and a
+# random op's generator becomes its PRNG key.
+IGNORED_KWARGS = frozenset(("layout", "device", "pin_memory", "generator", "memory_format"))
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,10 @@ class Lowering:
     cannot see (index values out of range); it raises the error CPU would raise.
     ``graph_only``: used by ``torch.compile`` graphs only (views and factories, which eager mode
     serves with torch's own view kernels and hand-written kernels).
+    ``meta``: stands in for torch's meta kernel where the op has none (same arguments, returns meta
+    tensors); eager mode runs it once per signature for the result shapes, dtypes and CPU's errors.
+    ``own_shapes``: the results keep the shapes the lowering gives where torch's meta kernel
+    disagrees with CPU (batch norm's saved statistics in eval mode: CPU ``(0,)``, meta ``(C,)``).
     """
 
     fn: Callable
@@ -36,6 +45,41 @@ class Lowering:
     random: bool = False
     check: Callable | None = None
     graph_only: bool = False
+    meta: Callable | None = None
+    own_shapes: bool = False
+    twins: bool = True  # the dispatcher derives in-place and out= kernels from it
+
+    def apply(self, key: Any, args: Sequence, kwargs: dict, outs: Sequence, name: str) -> list:
+        """Calls the lowering: the one protocol of eager programs and of compiled graphs.
+
+        ``key``: the PRNG key of a random op (else None). ``outs``: per result, what torch's meta
+        kernel (eager) or trace (graphs) says it is: a (shape, jax dtype) pair (a shape of None, or
+        with symbolic sizes, is not checked) or None for an undefined result (a backward's
+        ``output_mask``). A lowering may return only the defined results. Each result is cast to
+        its dtype and broadcast to its shape (which raises when the lowering got a shape wrong).
+        Returns one entry per ``outs`` entry, None where undefined.
+        """
+        res = self.fn(key, *args, **kwargs) if self.random else self.fn(*args, **kwargs)
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        if len(res) != len(outs):
+            defined = [o for o in outs if o is not None]
+            if len(res) != len(defined):
+                raise RuntimeError(f"lowering of {name} returned {len(res)} outputs, expected {len(outs)}")
+            it = iter(res)
+            res = [None if o is None else next(it) for o in outs]
+        done = []
+        for r, o in zip(res, outs):
+            if o is None or r is None:
+                done.append(None)
+                continue
+            shape, jdt = o
+            r = jnp.asarray(r)
+            if r.dtype != jdt:
+                r = r.astype(jdt)
+            if shape is not None and not self.own_shapes and tuple(r.shape) != shape:
+                r = jnp.broadcast_to(r, shape)
+            done.append(r)
+        return done
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -69,16 +113,22 @@ def lower(
     random: bool = False,
     check: Callable | None = None,
     graph_only: bool = False,
+    meta: Callable | None = None,
+    own_shapes: bool = False,
+    by_name: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 
     A packet (``aten.add``) means all its functional overloads; an overload (``aten.add.Tensor``)
     means itself. An in-place overload may be named directly when it has no functional twin
-    (``aten.uniform_``): its lowering returns the new value of ``self``.
+    (``aten.uniform_``): its lowering returns the new value of ``self``. ``by_name``: ``fn`` takes
+    every argument by its schema name (for functions whose optional arguments come last), so it
+    serves one overload only.
     """
 
     def deco(fn: Callable) -> Callable:
-        entry = Lowering(fn, static_scalars, random, check, graph_only)
+        call = _by_name(targets[0], fn) if by_name else fn
+        entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, twins=not by_name)
         for target in targets:
             if target is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
                 continue
@@ -100,3 +150,16 @@ def lower(
         return fn
 
     return deco
+
+
+def _by_name(op: torch._ops.OpOverload, fn: Callable) -> Callable:
+    """``fn`` called with the schema's argument names (runs when a program is traced, not per call)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ValueError(f"lower(by_name=True): {op} must be one overload")
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(**dict(zip(names, args)), **kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "lowering")
+    return call

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.ops.nn import jax_kernel
 
 _LOW = (jnp.bfloat16, jnp.float16)
 
@@ -81,4 +80,4 @@ def _conv_backward(
     return tuple(g for g, m in zip((gx, gw, gb), output_mask) if m)
 
 
-jax_kernel(aten.convolution_backward.default, _conv_backward)
+lower(aten.convolution_backward.default, by_name=True)(_conv_backward)

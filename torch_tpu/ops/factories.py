@@ -21,8 +21,14 @@ from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor
 from torch_tpu.ops._registry import aten, lower
 from torch_tpu.ops.shape import program
-from torch_tpu.runtime import metrics
 from torch_tpu.runtime.executor import execute
+
+
+@lower(aten._efficientzerotensor.default)
+def efficientzerotensor(size, dtype=None):
+    """Zeros (the gradient of ``sgn`` and others where torch knows the result is zero); a plain
+    array: tpu has no ZeroTensor layout to save memory with."""
+    return jnp.zeros(tuple(size), _dtypes.to_jax(dtype) if dtype is not None else jnp.float32)
 
 
 def _all_int(*xs) -> bool:
@@ -53,7 +59,6 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
     """``start + i * step``, accumulated in int64 for integer arguments and float64 otherwise
     (CPU also accumulates in double). A hand kernel because the length depends on the Scalar
     values while ``start`` and ``step`` stay runtime inputs, so a new start never recompiles."""
-    metrics.op_counts["aten.arange"] += 1
     start, end, step = (x.item() if isinstance(x, torch.Tensor) else x for x in _arange_args(*args))
     _check_arange(start, end, step)
     meta = aten.arange.start_step(start, end, step, dtype=dtype, device="meta")  # CPU's dtype and length

@@ -26,7 +26,6 @@ from torch_tpu import _dispatch, _dtypes
 from torch_tpu._dispatch import device_mismatch, kernel, meta_outputs
 from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
 from torch_tpu.ops._registry import LOWERINGS, aten, lower
-from torch_tpu.runtime import metrics
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -119,7 +118,6 @@ def _copying_view(op: torch._ops.OpOverload, fn) -> None:
     name = str(op)
 
     def run(self: torch.Tensor) -> torch.Tensor:
-        metrics.op_counts[name] += 1
         meta = meta_outputs(op, (self,), {})[0]
         shape, dtype = tuple(meta.shape), meta.dtype
         prog = _copy_program(name, fn, tuple(self.shape), self.dtype, shape, dtype)
@@ -133,6 +131,7 @@ def _copying_view(op: torch._ops.OpOverload, fn) -> None:
 # honour; materialising it keeps the bits off tpu tensors, so every lowering sees plain values.
 _copying_view(aten._conj.default, jnp.conj)
 _copying_view(aten._neg_view.default, jnp.negative)
+lower(aten._neg_view.default, graph_only=True)(jnp.negative)  # a graph's values have no views
 
 
 # In a graph these are plain functions (eager mode's kernels above make fresh tensors of them).
@@ -152,7 +151,6 @@ def view_as_complex(self):
 @kernel(aten.conj_physical.out)
 def conj_physical_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """``conj_physical`` (and ``conj_physical_``, which CompositeExplicitAutograd routes here)."""
-    metrics.op_counts["aten.conj_physical.out"] += 1
     if not is_tpu(out):
         raise device_mismatch("aten.conj_physical.out", out.device)
     meta = meta_outputs(aten.conj_physical.out, (self,), {"out": _dispatch._meta(out)})[0]

@@ -123,6 +123,21 @@ def to_copy(self, dtype=None, non_blocking=False):
     return self if dtype is None else self.astype(_dtypes.to_jax(dtype))
 
 
+@lower(aten.view.dtype, graph_only=True)
+def view_dtype(self, dtype):
+    """A bit reinterpretation (eager mode's kernel copies the same way: a typed array is no view)."""
+    a, b = self.dtype, _dtypes.to_jax(dtype)
+    if a == b:
+        return self
+    if a.itemsize == b.itemsize:
+        return lax.bitcast_convert_type(self, b)
+    if a.itemsize > b.itemsize:  # each element becomes several: the last dimension grows
+        out = lax.bitcast_convert_type(self, b)
+        return out.reshape(*self.shape[:-1], self.shape[-1] * (a.itemsize // b.itemsize))
+    k = b.itemsize // a.itemsize
+    return lax.bitcast_convert_type(self.reshape(*self.shape[:-1], self.shape[-1] // k, k), b)
+
+
 @lower(aten.copy.default, graph_only=True)
 def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
@@ -159,52 +174,6 @@ def arange(start, end=None, step=1, dtype=None):
         start, end = 0, start
     n = max(0, math.ceil((end - start) / step))
     return start + jnp.arange(n) * step
-
-
-# Batch norm: eager mode serves these with hand-written kernels that update running statistics in
-# place; a functional graph returns the new statistics instead.
-@lower(aten._native_batch_norm_legit_functional.default, graph_only=True)
-def batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
-    """In eval mode torch's meta kernel (which traces the graph) gives the saved statistics shape
-    (C,) where CPU gives (0,); the graph's shapes rule, so they are the running statistics."""
-    from torch_tpu.ops.nn import batch_norm_math
-
-    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum,
-                                                eps)
-    if not training:
-        mean, invstd = running_mean, lax.rsqrt(running_var + eps)
-    return out, mean, invstd, rm, rv
-
-
-@lower(aten._native_batch_norm_legit_no_training.default, graph_only=True)
-def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
-    return batch_norm_functional(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
-
-
-@lower(aten._batch_norm_with_update_functional.default, graph_only=True)
-def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
-    """(out, save_mean, save_invstd, reserve, new running mean, new running var)."""
-    from torch_tpu.ops.nn import batch_norm_math
-
-    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, True, momentum, eps)
-    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), rm, rv
-
-
-@lower(aten._native_batch_norm_legit.no_stats, graph_only=True)
-def batch_norm_no_stats(input, weight, bias, training, momentum, eps):
-    from torch_tpu.ops.nn import batch_norm_math
-
-    return batch_norm_math(input, weight, bias, None, None, True, momentum, eps)[:3]
-
-
-@lower(aten.native_batch_norm_backward.default, graph_only=True)
-def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                        output_mask):
-    from torch_tpu.ops.nn import _bn_backward
-
-    grads = iter(_bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps,
-                              output_mask))
-    return tuple(next(grads) if m else None for m in output_mask)
 
 
 # The _foreach_* ops (the optimizers' multi-tensor path) apply one op to each element of lists.
@@ -347,6 +316,11 @@ def index_put(self, indices, values, accumulate=False):
     if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
         return _masked_put(self, indices, values, accumulate)
     return _index_put(self, indices, values, accumulate)
+
+
+@lower(aten._index_put_impl.default, graph_only=True)
+def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
+    return index_put(self, indices, values, accumulate)
 
 
 def _masked_put(self, indices, values, accumulate):

@@ -221,6 +221,7 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
         res = inner(target, indices, *args, **kwargs)
         return self if kind == "inplace" else res
 
+    run.counts_itself = True  # one of the two lowering kernels counts each call
     kernel(op)(run)
 
 
@@ -423,6 +424,17 @@ def masked_scatter(self, mask, source):
         return x
     picked = src[jnp.clip(pos, 0, src.size - 1)].astype(x.dtype)
     return jnp.where(m, picked, x.reshape(-1)).reshape(shape)
+
+
+@lower(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The source's gradient: the k-th true element's gradient at flat position k, zeros after the
+    last one (a scatter by the mask's running count: a static shape, no host read of the mask)."""
+    m = jnp.broadcast_to(mask.astype(bool), grad_output.shape).reshape(-1)
+    n = math.prod(sizes)
+    pos = jnp.where(m, jnp.cumsum(m.astype(jnp.int64)) - 1, n)  # n: out of range, dropped
+    out = jnp.zeros((n,), grad_output.dtype).at[pos].set(grad_output.reshape(-1), mode="drop")
+    return out.reshape(tuple(sizes))
 
 
 _TAKE_FLAT = Program("masked_select gather", lambda x, i: x.reshape(-1)[i])

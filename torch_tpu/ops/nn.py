@@ -1,9 +1,9 @@
 """Neural-network ops: normalisation, pooling, losses, embeddings, resampling and padding.
 
-Most are plain lowerings. A few need a hand-written kernel (:func:`jax_kernel`) because torch's
-meta kernel cannot describe them: backward ops whose ``output_mask`` leaves some results undefined
-(the meta kernel returns ``None`` there), and batch norm, which updates its running statistics in
-place and, in eval mode, returns empty saved statistics on CPU where the meta kernel says ``[C]``.
+Every op is a lowering, also backward ops whose ``output_mask`` leaves some results undefined (the
+lowering returns the defined ones, :meth:`Lowering.apply`), and ops torch has no meta kernel for
+(``lower(meta=...)``). Batch norm alone keeps a hand-written eager kernel: it updates its running
+statistics in place.
 Backward ops without a cheaper closed form are ``jax.vjp`` of the forward lowering.
 
 Reduced-precision floats (bf16, f16) are computed in float32 and cast back, as CPU does.
@@ -27,7 +27,7 @@ from torch_tpu import _dtypes
 from torch_tpu._dispatch import _meta, device_mismatch, register_kernel
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.runtime import checks, metrics
+from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -80,52 +80,6 @@ def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     bound = dict(zip(names, args))
     bound.update(kwargs)
     return bound
-
-
-def _split(bound: dict) -> tuple[dict, dict]:
-    static, dynamic = {}, {}
-    for k, v in bound.items():
-        if isinstance(v, torch.Tensor) or type(v) is float:
-            dynamic[k] = v
-        else:
-            static[k] = v
-    return static, dynamic
-
-
-def jax_kernel(op: torch._ops.OpOverload, fn: Callable, meta: Callable | None = None) -> None:
-    """Registers ``fn`` (schema-named arguments, jax arrays in, arrays out) as ``op``'s kernel.
-
-    Unlike a lowering, results may be undefined: ``fn`` returns only the outputs whose meta result
-    is a tensor (the ones ``output_mask`` asked for), and the rest come back as ``None``. ``meta``
-    stands in for torch's meta kernel where it has none (same arguments, returns meta tensors).
-    """
-    name = str(op)
-    memo: dict[tuple, list] = {}  # input signature -> output dtypes (None: undefined output)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        metrics.op_counts[name] += 1
-        key = (_signature(args), _signature(tuple(kwargs.items())))
-        out_dtypes = memo.get(key)
-        if out_dtypes is None:  # torch's meta kernel (often a Python decomposition): once per signature
-            metas = (meta or op)(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
-            metas = metas if isinstance(metas, (tuple, list)) else (metas,)
-            out_dtypes = memo[key] = [None if m is None else m.dtype for m in metas]
-        static, dynamic = _split(_bind(op, args, kwargs))
-        outs = iter(run_jax(name, fn, static, dynamic, [d for d in out_dtypes if d is not None]))
-        res = [None if d is None else _wrap(next(outs), d) for d in out_dtypes]
-        return res[0] if len(res) == 1 else tuple(res)
-
-    register_kernel(op, run, "kernel (jax)")
-
-
-def _signature(v: Any) -> Any:
-    """What a meta kernel's result depends on: tensor shapes and dtypes, and every other argument
-    but Python floats (runtime values)."""
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype, v.device.type)
-    if isinstance(v, (list, tuple)):
-        return tuple(_signature(x) for x in v)
-    return float if type(v) is float else v
 
 
 def _wrap(value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -190,10 +144,8 @@ _FUNCTIONAL_BN = (aten._native_batch_norm_legit_functional.default, aten._batch_
 
 def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, reserve: bool) -> Callable:
     """A kernel for one batch-norm entry point: runs the math and writes running stats in place."""
-    name = str(op)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        metrics.op_counts[name] += 1
         metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
         b = _bind(op, args, kwargs)
         training = b.get("training", fixed_training)
@@ -245,6 +197,38 @@ for _op, _training, _reserve in (
     register_kernel(_op, _batch_norm_kernel(_op, _training, _reserve), "kernel (batch norm)")
 
 
+# In a functional graph (torch.compile) the same ops return the new running statistics instead of
+# writing them. In eval mode CPU saves no statistics (shape (0,)) where torch's meta kernel, which
+# traces the graph, says (C,): ``own_shapes`` keeps CPU's. Nothing in the graph reads them then.
+@lower(aten._native_batch_norm_legit_functional.default, graph_only=True, own_shapes=True)
+def batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return batch_norm_math(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lower(aten._native_batch_norm_legit_no_training.default, graph_only=True, own_shapes=True)
+def batch_norm_eval(input, weight, bias, running_mean, running_var, momentum, eps):
+    return batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@lower(aten._batch_norm_no_update.default, graph_only=True, own_shapes=True)
+def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """(out, save_mean, save_invstd, reserve): eval mode, nothing saved, as on CPU."""
+    out, mean, invstd, _, _ = batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8)
+
+
+@lower(aten._batch_norm_with_update_functional.default, graph_only=True)
+def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """(out, save_mean, save_invstd, reserve, new running mean, new running var)."""
+    out, mean, invstd, rm, rv = batch_norm_math(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), rm, rv
+
+
+@lower(aten._native_batch_norm_legit.no_stats, graph_only=True)
+def batch_norm_no_stats(input, weight, bias, training, momentum, eps):
+    return batch_norm_math(input, weight, bias, None, None, True, momentum, eps)[:3]
+
+
 def _bn_backward(grad_out, input, weight, save_mean, save_invstd, running_mean, running_var, train, eps, output_mask):
     x, g = _acc(input), _acc(grad_out)
     shape, axes = _channel_shape(x), _bn_axes(x)
@@ -280,8 +264,8 @@ def _bn_backward_update(
                         output_mask)
 
 
-jax_kernel(aten.native_batch_norm_backward.default, _native_bn_backward)
-jax_kernel(aten.batch_norm_backward.default, _bn_backward_update)
+lower(aten.native_batch_norm_backward.default, by_name=True)(_native_bn_backward)
+lower(aten.batch_norm_backward.default, by_name=True)(_bn_backward_update)
 
 
 # =================================================================================== layer norm
@@ -311,7 +295,7 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, output_m
     return tuple(r for r, m in zip(res, output_mask) if m)
 
 
-jax_kernel(aten.native_layer_norm_backward.default, _layer_norm_backward)
+lower(aten.native_layer_norm_backward.default, by_name=True)(_layer_norm_backward)
 
 
 # =================================================================================== group norm
@@ -343,7 +327,7 @@ def _group_norm_backward(grad_out, input, mean, rstd, N, C, HxW, group, output_m
     return tuple(r for r, m in zip(res, output_mask) if m)
 
 
-jax_kernel(aten.native_group_norm_backward.default, _group_norm_backward)
+lower(aten.native_group_norm_backward.default, by_name=True)(_group_norm_backward)
 
 
 # ====================================================================================== pooling
@@ -798,7 +782,7 @@ def _multilabel_margin_backward(grad_output, self, target, reduction, is_target)
     return vjp(_acc(grad_output))[0]
 
 
-jax_kernel(aten.multilabel_margin_loss_backward.default, _multilabel_margin_backward, meta=_like_self)
+lower(aten.multilabel_margin_loss_backward.default, by_name=True, meta=_like_self)(_multilabel_margin_backward)
 
 
 def _check_multi_margin(self, target, *rest, **kw):
@@ -833,7 +817,7 @@ def _multi_margin_backward(grad_output, self, target, p, margin, weight=None, re
     return vjp(_acc(grad_output))[0]
 
 
-jax_kernel(aten.multi_margin_loss_backward.default, _multi_margin_backward, meta=_like_self)
+lower(aten.multi_margin_loss_backward.default, by_name=True, meta=_like_self)(_multi_margin_backward)
 
 
 # =================================================================================== embeddings
@@ -1194,7 +1178,7 @@ def _lstm_cell_backward(cx, cy, workspace, has_bias, grad_hy=None, grad_cy=None)
     return tuple(res)
 
 
-jax_kernel(aten._thnn_fused_lstm_cell_backward_impl.default, _lstm_cell_backward)
+lower(aten._thnn_fused_lstm_cell_backward_impl.default, by_name=True)(_lstm_cell_backward)
 
 
 def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
@@ -1233,8 +1217,8 @@ def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
     return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, bias
 
 
-jax_kernel(aten._thnn_fused_gru_cell.default, _gru_cell, meta=_gru_cell_meta)
-jax_kernel(aten._thnn_fused_gru_cell_backward.default, _gru_cell_backward, meta=_gru_cell_backward_meta)
+lower(aten._thnn_fused_gru_cell.default, by_name=True, meta=_gru_cell_meta)(_gru_cell)
+lower(aten._thnn_fused_gru_cell_backward.default, by_name=True, meta=_gru_cell_backward_meta)(_gru_cell_backward)
 
 
 # ================================================================================ grid sampler 3d
@@ -1388,7 +1372,22 @@ def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padd
     return tuple(r for r, m in zip((gx, gg), output_mask) if m)
 
 
-jax_kernel(aten.grid_sampler_3d_backward.default, _grid_sampler_3d_backward)
+lower(aten.grid_sampler_3d_backward.default, by_name=True)(_grid_sampler_3d_backward)
+
+
+def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
+                              output_mask):
+    """The vjp of the forward lowering (bicubic included), for the results ``output_mask`` asks for."""
+    def fwd(x, g):
+        return grid_sampler_2d(x, g, interpolation_mode, padding_mode, align_corners)
+
+    x, g = _acc(input), _acc(grid)
+    _, vjp = jax.vjp(fwd, x, g)
+    gx, gg = vjp(_acc(grad_output).astype(x.dtype))
+    return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+
+
+lower(aten.grid_sampler_2d_backward.default, by_name=True)(_grid_sampler_2d_backward)
 
 
 # ======================================================================= antialiased resampling
@@ -1548,7 +1547,7 @@ def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
     return torch.empty_like(log_probs)
 
 
-jax_kernel(aten._ctc_loss_backward.default, _ctc_loss_backward, meta=_ctc_loss_backward_meta)
+lower(aten._ctc_loss_backward.default, by_name=True, meta=_ctc_loss_backward_meta)(_ctc_loss_backward)
 
 
 # --------------------------------------------------------------------- fractional max pooling

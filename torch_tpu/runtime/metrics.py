@@ -16,6 +16,8 @@ decomposition_counts: collections.Counter[str] = collections.Counter()
 compile_counts: collections.Counter[str] = collections.Counter()
 compile_seconds: collections.Counter[str] = collections.Counter()
 transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
+# torch.compile graphs run op by op in eager mode (a data-dependent shape), by the op that forced it
+eager_graphs: collections.Counter[str] = collections.Counter()
 
 
 def count_compile(name: str, seconds: float) -> None:
@@ -30,7 +32,8 @@ def reset() -> None:
     the recompilation log included (the compiled programs themselves stay cached)."""
     from torch_tpu.runtime import cache
 
-    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes):
+    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes,
+              eager_graphs):
         c.clear()
     cache.reset_stats()
 
@@ -47,6 +50,7 @@ def metrics() -> dict[str, Any]:
         "compile_count": sum(compile_counts.values()),
         "compile_seconds": round(sum(compile_seconds.values()), 4),
         "transfer_bytes": dict(transfer_bytes),
+        "eager_graphs": dict(eager_graphs),
     }
 
 

@@ -1,0 +1,143 @@
+"""One serving table for eager mode and graphs.
+
+Every op eager mode serves on tpu is served in ``torch.compile`` graphs too, by the same table
+entry (or torch's decomposition), or it is on the short, reasoned ``GRAPH_UNSERVED`` list and a
+graph naming it raises a clear ``NotImplementedError``. The lists are enumerated from the serving
+table, so a new kernel that graphs lack fails here. Every served op counts in ``metrics()``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torch_tpu
+from torch_tpu import _dispatch
+from torch_tpu.compile import backend
+from torch_tpu.ops._registry import LOWERINGS, is_mutating
+
+
+def _served_functional_ops() -> list[torch._ops.OpOverload]:
+    """The non-mutating aten overloads with a tpu kernel of ours (graphs are functional: an
+    in-place or ``out=`` overload reaches them as its functional twin)."""
+    ops = []
+    for name in _dispatch.REGISTERED:
+        if not name.startswith("aten."):
+            continue
+        base, _, overload = name.removeprefix("aten.").rpartition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload)
+        if not is_mutating(op):
+            ops.append(op)
+    return ops
+
+
+def _graph_serves(op: torch._ops.OpOverload) -> bool:
+    if op in backend._decompositions() or op in backend._PYTHON_OPS or op in backend._DROPPED_EFFECTS:
+        return True
+    try:
+        backend._lowering_of(op)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_every_op_served_eagerly_is_served_in_graphs_or_listed_with_a_reason():
+    ops = _served_functional_ops()
+    assert len(ops) > 500  # the enumeration found the table
+    missing = sorted(str(op) for op in ops if not _graph_serves(op) and op not in backend.GRAPH_UNSERVED)
+    assert not missing, f"served in eager mode, not in graphs (lower them, or list them with why): {missing}"
+
+
+def test_the_unserved_list_holds_only_ops_graphs_lack():
+    stale = sorted(str(op) for op in backend.GRAPH_UNSERVED if _graph_serves(op))
+    assert not stale, f"graphs serve these now: remove them from GRAPH_UNSERVED: {stale}"
+    for op, why in backend.GRAPH_UNSERVED.items():
+        with pytest.raises(NotImplementedError, match=why.split(";")[0][:30].replace("(", r"\(").replace(")", r"\)")):
+            backend._lowering_of(op)
+
+
+def test_backward_ops_with_hand_kernels_are_table_entries():
+    """The ops eager mode once served with hand kernels of their own (graphs never saw them)."""
+    aten = torch.ops.aten
+    for op in (aten.convolution_backward.default, aten.native_batch_norm_backward.default,
+               aten.batch_norm_backward.default, aten.grid_sampler_2d_backward.default,
+               aten.grid_sampler_3d_backward.default, aten.masked_scatter_backward.default,
+               aten._efficientzerotensor.default, aten.native_layer_norm_backward.default):
+        assert op in LOWERINGS and not LOWERINGS[op].graph_only, op
+
+
+def test_every_registered_kernel_counts_its_calls():
+    assert all(getattr(k, "counts_itself", False) for k in _dispatch.KERNELS.values())
+
+
+def test_hand_kernels_count_in_metrics():
+    x = torch.tensor([3.0, 0.0, 1.0, 3.0], device="tpu")
+    torch_tpu.reset_metrics()
+    torch.nonzero(x)
+    torch.unique(x)
+    torch.equal(x, x)
+    x.view(torch.int32)
+    torch.arange(4, device="tpu")
+    x.sum().item()
+    counts = torch_tpu.metrics()["op_counts"]
+    for name in ("aten.nonzero.default", "aten._unique2.default", "aten.equal.default", "aten.view.dtype",
+                 "aten.arange.default", "aten._local_scalar_dense.default", "aten.sum.default"):
+        assert counts.get(name) == 1, (name, counts)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+
+
+def test_compiled_boolean_mask_index_put_with_grad_does_not_abort():
+    """Its backward reads ``grad[mask]``, a data-dependent shape: torch's engine lost the error and
+    aborted the process (std::terminate). The graph now runs in eager mode, with CPU's results."""
+    r = _run("""
+        import warnings, torch, torch_tpu
+        torch.manual_seed(0)
+        x = torch.randn(5, 3, requires_grad=True)
+        mask = torch.tensor([True, True, False, True, False])
+        v = torch.randn(3, 3, requires_grad=True)
+        xt, vt = (t.detach().to("tpu").requires_grad_() for t in (x, v))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = torch.compile(lambda a, m, b: torch.index_put(a, (m,), b), backend="tpu", dynamic=False)(
+                xt, mask.to("tpu"), vt)
+        assert any("data-dependent shape" in str(m.message) for m in w), [str(m.message) for m in w]
+        out.square().sum().backward()
+        ref = torch.index_put(x, (mask,), v)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), ref.detach())
+        torch.testing.assert_close(xt.grad.cpu(), x.grad)
+        torch.testing.assert_close(vt.grad.cpu(), v.grad)
+        assert torch_tpu.metrics()["eager_graphs"]
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+def test_error_in_a_traced_backward_on_tpu_is_raised_not_an_abort():
+    """Any exception a ``__torch_dispatch__`` mode raises inside a backward node on tpu (here fake
+    tensors refusing a data-dependent shape) reaches the caller."""
+    r = _run("""
+        import torch, torch_tpu
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch_tpu import _device
+        with FakeTensorMode():
+            x = torch.randn(5, 3, device="tpu", requires_grad=True)
+            m = torch.ones(5, dtype=torch.bool, device="tpu")
+            v = torch.randn(5, 3, device="tpu", requires_grad=True)
+            y = torch.index_put(x, (m,), v).sum()
+            try:
+                torch.autograd.grad(y, [x, v])  # v's gradient is grad[m]: a data-dependent shape
+            except (SystemError, RuntimeError):
+                pass
+        lost = _device.take_lost_exception()
+        assert "nonzero" in repr(lost), repr(lost)
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])
