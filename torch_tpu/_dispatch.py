@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _rng
+from torch_tpu import _dtypes, _rng, _storage
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import LOWERINGS, Lowering, dispatcher_overloads, is_mutating
 from torch_tpu.runtime import executor, metrics
@@ -305,6 +305,8 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
             def run(*args: Any, **kwargs: Any) -> Any:
                 if not executor.recording():
                     return fn(*args, **kwargs)
+                if _storage._capture is not None:  # graph capture: refused if it reads a tpu tensor
+                    _storage._capture.host_kernel(ops[0], args, kwargs)
                 with executor.eager_section():
                     return fn(*args, **kwargs)
 
