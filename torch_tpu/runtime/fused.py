@@ -305,10 +305,10 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
     ended it, when not the caller's."""
     with _lock:
         _step_ended.clear()
-        if not _pending:
-            return
         if capture_hook is not None and capture_hook(reason):
             return  # a graph capture keeps its trace whole (step ends, length cap), or refuses the sync
+        if not _pending:
+            return
         nodes = list(_pending)
         _pending.clear()
         _graphs.clear()
