@@ -313,3 +313,26 @@ def test_make_graphed_callables_trains_like_cpu():
         torch.testing.assert_close(lt.item(), lc.item(), rtol=RTOL, atol=ATOL)
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_compiled_model_inside_a_captured_step_matches_cpu():
+    """torch.compile graphs inside the region record into the same trace (one executable)."""
+    mc = model()
+    mt = copy.deepcopy(mc).to("tpu")
+    compiled = torch.compile(mt, backend="tpu")
+    oc = torch.optim.AdamW(mc.parameters(), lr=0.01)
+    ot = torch.optim.AdamW(mt.parameters(), lr=0.01, capturable=True)
+    x, y = batches(1)[0]
+    step_c = make_step(mc, oc, x, y)
+    step_t = make_step(compiled, ot, x.to("tpu"), y.to("tpu"))
+    for _ in range(2):
+        step_c()
+        step_t()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_loss = step_t()
+    for _ in range(5):
+        g.replay()
+        torch.testing.assert_close(static_loss.item(), step_c().item(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
