@@ -255,6 +255,28 @@ def test_static_inputs_and_outputs():
         g.replay()
 
 
+def test_an_empty_static_input_is_read_at_replay():
+    """A tensor made with torch.empty before the capture and filled only afterwards."""
+    buf = torch.empty(3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = buf + 1
+    buf.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    g.replay()
+    assert out.tolist() == [2.0, 3.0, 4.0]
+
+
+def test_a_static_input_that_changes_shape_is_named_at_replay():
+    x = torch.zeros(3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        y = x + 1
+    x.resize_(5)
+    with pytest.raises(RuntimeError, match=r"static input changed from float32\[3\] to float32\[5\]"):
+        g.replay()
+    del y
+
+
 def test_memory_stays_flat_over_replays():
     m = model().to("tpu")
     opt = torch.optim.AdamW(m.parameters(), capturable=True)

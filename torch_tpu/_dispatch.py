@@ -75,7 +75,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             dtype = a.dtype
             if dtype is st._dtype:
                 if size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
-                    if st._jx is None:
+                    if st._jx is None and (_storage._capture is None or _storage._capture.materialize(st) is None):
                         return _Empty((size, dtype, None))  # not equal to _Tensor((size, dtype)) as a key
                     dyn.append(base_array(st))  # the whole base: no read at all
                     return _Tensor((size, dtype))

@@ -268,6 +268,8 @@ def read_view(base_shape: tuple, size: tuple, stride: tuple, offset: int, dtype:
 def base_array(st: Any) -> Any:
     """The storage's whole jax array; an uninitialised storage (``empty``) reads as zeros."""
     a = st._jx
+    if a is None and _capture is not None:
+        a = _capture.materialize(st)  # an empty tensor from before a capture: a static input
     if a is None:
         a = st._jx = execute(_zeros_program(st._shape, _dtypes.to_jax(st._dtype)))
     elif type(a) is fused.Lazy and (a.value is not None or not executor.recording()):

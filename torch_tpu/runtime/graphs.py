@@ -120,6 +120,16 @@ class _Capture:
         elif not any(s is st for s in r[1]):
             r[1].append(st)
 
+    def materialize(self, st: Any) -> Any:
+        """An uninitialised storage from before the capture, read inside it: it gets concrete zeros
+        now, so that it is a static input (the user may fill it before a replay), not a constant."""
+        if self._known(st):
+            return None
+        from torch_tpu import _dtypes
+
+        a = st._jx = jnp.zeros(st._shape, _dtypes.to_jax(st._dtype))
+        return a
+
     def host_read(self) -> None:
         raise _refused(_host_op(), _HOST_WHY)
 
