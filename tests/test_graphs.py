@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import torch_tpu
 from tests.conftest import assert_same
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -305,6 +306,9 @@ def test_graph_pool_handle_and_debug_dump(tmp_path):
     assert g.pool() is pool
     g.replay()
     assert y.tolist() == [2.0, 2.0]
+    with torch_tpu.profile(None) as prof:
+        g.replay()
+    assert "tpu graph (" in prof.summary()
     g.debug_dump(str(tmp_path / "graph.txt"))
     assert "HloModule" in (tmp_path / "graph.txt").read_text()
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torch_tpu import _rng
-from torch_tpu.runtime import checks, executor, fused, metrics
+from torch_tpu.runtime import checks, executor, fused, metrics, profiler
 
 _storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
@@ -399,7 +399,8 @@ class TPUGraph:
                 if sys.getrefcount(args[p]) > 3:  # args, its storage, getrefcount: held elsewhere too
                     args[p] = jnp.array(args[p], copy=True)
             try:
-                outs = exe(*args)
+                prof = profiler._active
+                outs = exe(*args) if prof is None else prof.timed(f"tpu graph ({self.ops} ops)", exe, *args)
             except Exception as e:
                 raise self._call_error(e, args) from e
             for i, st in self._bind:
