@@ -362,3 +362,29 @@ def test_a_compiled_model_inside_a_captured_step_matches_cpu():
         torch.testing.assert_close(static_loss.item(), step_c().item(), rtol=RTOL, atol=ATOL)
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_tensor_learning_rate_follows_its_schedule_across_replays():
+    """Python numbers are frozen at capture; a tensor lr is a static input, so a scheduler that
+    updates it in place (between replays) changes the replayed steps, as on CPU."""
+    mc = model()
+    mt = copy.deepcopy(mc).to("tpu")
+    oc = torch.optim.AdamW(mc.parameters(), lr=torch.tensor(0.01), foreach=False)
+    ot = torch.optim.AdamW(mt.parameters(), lr=torch.tensor(0.01, device="tpu"), capturable=True)
+    sc = torch.optim.lr_scheduler.StepLR(oc, step_size=2, gamma=0.5)
+    st = torch.optim.lr_scheduler.StepLR(ot, step_size=2, gamma=0.5)
+    x, y = batches(1)[0]
+    step_c, step_t = make_step(mc, oc, x, y), make_step(mt, ot, x.to("tpu"), y.to("tpu"))
+    step_c()
+    step_t()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_loss = step_t()
+    for _ in range(6):
+        g.replay()
+        torch.testing.assert_close(static_loss.item(), step_c().item(), rtol=RTOL, atol=ATOL)
+        sc.step()
+        st.step()
+    assert ot.param_groups[0]["lr"].item() == pytest.approx(oc.param_groups[0]["lr"].item())
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
