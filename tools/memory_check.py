@@ -3,7 +3,8 @@
     python tools/memory_check.py --mode fused --steps 500 --workload gpt
 
 ``--mode compile`` runs the step under ``torch.compile(backend="tpu")`` (in strict mode), whose
-graphs are deferred into one program per step like fused mode's trace.
+graphs are deferred into one program per step like fused mode's trace. ``--mode graph`` captures
+one step with ``torch.tpu.graph`` (after an eager warm-up step) and replays it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--workload", default="gpt")
     a = p.parse_args()
-    torch_tpu.set_eager_mode("strict" if a.mode == "compile" else a.mode)
+    torch_tpu.set_eager_mode("strict" if a.mode in ("compile", "graph") else a.mode)
     _, step, _ = workloads.make(a.workload, "tpu")
     if a.mode == "compile":
         import torch
 
         step = torch.compile(step, backend="tpu")
+    if a.mode == "graph":
+        from torch_tpu.bench.__main__ import _captured
+
+        step, _ = _captured(step)
     samples = []
     for i in range(1, a.steps + 1):
         loss = step()

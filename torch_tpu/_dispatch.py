@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _rng
+from torch_tpu import _dtypes, _rng, _storage
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering, dispatcher_overloads, is_mutating
 from torch_tpu.runtime import executor, metrics
@@ -74,7 +74,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             dtype = a.dtype
             if dtype is st._dtype:
                 if size == st._shape and a.storage_offset() == 0 and a.is_contiguous():
-                    if st._jx is None:
+                    if st._jx is None and (_storage._capture is None or _storage._capture.materialize(st) is None):
                         return _Empty((size, dtype, None))  # not equal to _Tensor((size, dtype)) as a key
                     dyn.append(base_array(st))  # the whole base: no read at all
                     return _Tensor((size, dtype))
@@ -294,16 +294,19 @@ def _counting(name: str, fn: Callable) -> Callable:
     return run
 
 
-def _eager_section(name: str, fn: Callable) -> Callable:
+def _eager_section(op: torch._ops.OpOverload, fn: Callable) -> Callable:
     """``fn`` counted (unless it counts itself), and run as in strict mode when fused mode records
-    (it may read the host)."""
+    (it may read the host). Under graph capture it is refused if it reads a tpu tensor."""
     count = 0 if getattr(fn, "counts_itself", False) else 1
+    name = str(op)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         metrics.op_counts[name] += count
         if not executor.recording():
             return fn(*args, **kwargs)
+        if _storage._capture is not None:  # graph capture: refused if it reads a tpu tensor
+            _storage._capture.host_kernel(op, args, kwargs)
         with executor.eager_section():
             return fn(*args, **kwargs)
 
@@ -337,11 +340,10 @@ def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Call
         for op in ops:
             if op is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
                 continue
-            name = str(op)
             if fusable:
                 register_kernel(op, fn, "kernel")  # counted by register_kernel, unless it counts itself
             else:
-                register_kernel(op, _eager_section(name, fn), "kernel")
+                register_kernel(op, _eager_section(op, fn), "kernel")
         return fn
 
     return deco

@@ -44,13 +44,27 @@ def next_inputs() -> list[np.ndarray]:
     with _lock:
         _counter += 1
         c = _counter
-    return [np.uint32(_seed & 0xFFFF_FFFF), np.uint32(c & 0xFFFF_FFFF)]
+    pair = [np.uint32(_seed & 0xFFFF_FFFF), np.uint32(c & 0xFFFF_FFFF)]
+    if capture_log is not None:
+        capture_log.append(pair)
+    return pair
+
+
+# While a graph is captured (torch_tpu.runtime.graphs): the inputs handed to each random op, in
+# order, so that every replay feeds the same ops fresh counters, as CUDA graphs advance Philox.
+capture_log: list | None = None
 
 
 def inputs_from(generator: torch.Generator) -> list[np.ndarray]:
     """The two runtime inputs of a random op given a ``torch.Generator``, drawn from it. A tpu
     generator cannot be made (the Python hooks again), so a CPU one stands in: seeded alike, it
     gives the same numbers, and each op advances it; the device's own state is left alone."""
+    if capture_log is not None:
+        raise NotImplementedError(
+            "tpu graph capture: a random op with an explicit torch.Generator cannot be captured (its numbers "
+            "are drawn on the host, so every replay would repeat them); use the default generator inside the "
+            "captured region (torch.manual_seed seeds it)"
+        )
     seed_in, counter_in = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
                                         device=generator.device).tolist()
     return [np.uint32(seed_in), np.uint32(counter_in)]

@@ -37,6 +37,12 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# The graph capture in progress (a ``torch_tpu.runtime.graphs._Capture``), else None. It is told
+# which storages a captured region reads, writes and creates, and refuses host reads. One test of a
+# global per storage access is all capture costs the other modes.
+_capture: Any = None
+
+
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) -> torch.Tensor:
     """A fresh contiguous tpu tensor whose storage holds ``value`` (a jax array, or None: unset)."""
     t = torch._C._acc.create_empty_tensor(shape, dtype)
@@ -44,6 +50,8 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) ->
     st._shape = tuple(shape)
     st._dtype = dtype
     st._jx = value
+    if _capture is not None:
+        _capture.made(st)
     return t
 
 
@@ -260,10 +268,14 @@ def read_view(base_shape: tuple, size: tuple, stride: tuple, offset: int, dtype:
 def base_array(st: Any) -> Any:
     """The storage's whole jax array; an uninitialised storage (``empty``) reads as zeros."""
     a = st._jx
+    if a is None and _capture is not None:
+        a = _capture.materialize(st)  # an empty tensor from before a capture: a static input
     if a is None:
         a = st._jx = execute(_zeros_program(st._shape, _dtypes.to_jax(st._dtype)))
     elif type(a) is fused.Lazy and (a.value is not None or not executor.recording()):
         a = st._jx = fused.concrete(a)  # computed (or needed now, outside fused mode): drop the placeholder
+    if _capture is not None:
+        _capture.saw(st, a)
     return a
 
 
@@ -306,6 +318,8 @@ def _replace(st: Any, value: Any) -> None:
     """Stores ``value`` as the storage's new array. A pending value remembers which concrete array
     the storage held before the trace (by id), so that a fused program can write it in that
     array's donated buffer: a parameter updated in place keeps its memory."""
+    if _capture is not None:
+        _capture.wrote(st)
     if type(value) is fused.Lazy:
         old = st._jx
         if type(old) is fused.Lazy:
@@ -318,6 +332,8 @@ def _replace(st: Any, value: Any) -> None:
 def set_base(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, value: Any) -> None:
     """Re-points ``t`` at a fresh contiguous storage of ``shape`` holding ``value`` (resize_, set_)."""
     st = t.untyped_storage()
+    if _capture is not None:
+        _capture.wrote(st)
     DK_META = DK.Meta
     torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
         DK_META, t, st, 0, list(shape), list(contiguous_strides(tuple(shape)))
@@ -333,6 +349,8 @@ def read_array(t: torch.Tensor) -> Any:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """Copies a tpu tensor to the host (a sync point)."""
+    if _capture is not None:
+        _capture.host_read()
     a = np.asarray(read_array(t))
     metrics.transfer_bytes["device_to_host"] += a.nbytes
     checks.raise_pending()

@@ -1,7 +1,7 @@
 """Benchmark commands.
 
     python -m torch_tpu.bench dispatch [--n 2000]
-    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue --mode debug|strict|fused|compile [--steps N]
+    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue|gpt-tiny --mode strict|fused|compile|graph [--steps N]
     python -m torch_tpu.bench train --workload gpt --compare
     python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
     python -m torch_tpu.bench predict --workload mlp|gpt [--batches 20] [--mode fused]
@@ -21,10 +21,13 @@ fed the same batches from the host and read back to the host, as ``predict`` doe
 
 ``train``: steps per second (best of three timed windows, compile excluded), the first-step
 time, the part of it spent building XLA programs (``compile_s``: lowering and XLA's compile; the
-rest is tracing, Dynamo's and AOTAutograd's under ``torch.compile``, and running) and the process
-CPU milliseconds per step (every thread, over the three windows), as one JSON
-line; ``--compare`` runs every mode and CPU PyTorch eager in one process and
-prints a table.
+rest is tracing, Dynamo's and AOTAutograd's under ``torch.compile``, and running), the process
+CPU milliseconds per step (every thread, over the three windows) and ``host_ms_per_step``: the CPU
+time of the main thread and of autograd's device thread alone, the host's share of a step (on
+XLA:CPU the other threads are the device's). It prints one JSON line; ``--compare`` runs every
+mode and CPU PyTorch eager in one process and prints a table. ``--mode graph`` warms the step up
+eagerly, captures one step with ``torch.tpu.graph`` (the optimizer made capturable, as CUDA
+graphs require) and replays it; its first-step time includes the warm-up and the capture.
 
 ``dispatch``: median microseconds per op for small ops (add, mul, matmul on 64x64 and an
 in-place add) on tpu in strict mode, next to CPU PyTorch in the same run. Each figure is the
@@ -39,7 +42,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import torch
 
@@ -87,6 +92,45 @@ def _compile_seconds() -> float:
     return torch_tpu.cache_stats()["compile_seconds"] + torch_tpu.metrics()["compile_seconds"]
 
 
+def _host_ns() -> int:
+    """CPU nanoseconds used so far by this thread and by autograd's device threads (``pt_autograd_*``,
+    which run backward): the host's work, without XLA:CPU's own threads."""
+    me = threading.get_native_id()
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # no procfs: this thread alone
+        return time.thread_time_ns()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if int(tid) == me or name.startswith("pt_autograd"):
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    return total
+
+
+def _captured(step: Any) -> tuple[Any, torch.Tensor]:
+    """The step as CUDA-graph code runs it: an eager warm-up step (its loss is returned: it stands
+    for the first step, so every mode runs as many steps), one step captured, then replays."""
+    for group in step.optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+    first = step()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_loss = step()
+
+    def replay() -> torch.Tensor:
+        g.replay()
+        return static_loss
+
+    return replay, first
+
+
 def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
     from torch_tpu.bench import workloads
 
@@ -95,7 +139,7 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         dev = "cpu"
     else:
         dev = "tpu"
-        torch_tpu.set_eager_mode("strict" if mode == "compile" else mode)
+        torch_tpu.set_eager_mode("strict" if mode in ("compile", "graph") else mode)
     try:
         model, step, tokens = workloads.make(workload, dev)
         if mode == "compile":
@@ -103,7 +147,11 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
             step = torch.compile(step, backend="tpu")
         compiled0 = _compile_seconds()
         t0 = time.perf_counter()
-        float(step().detach().to("cpu"))
+        if mode == "graph":
+            step, loss = _captured(step)
+        else:
+            loss = step()
+        float(loss.detach().to("cpu"))
         first = time.perf_counter() - t0
         compile_s = _compile_seconds() - compiled0
         for _ in range(warmup - 1):
@@ -111,6 +159,7 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         float(step().detach().to("cpu"))
         best = 0.0
         cpu0 = time.process_time()
+        host0 = _host_ns()
         for _ in range(3):
             t = time.perf_counter()
             for _ in range(steps):
@@ -119,10 +168,12 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
             best = max(best, steps / (time.perf_counter() - t))
         # every thread of the process: XLA:CPU's and Python's compete for the same cores
         cpu_ms = (time.process_time() - cpu0) / (3 * steps) * 1e3
+        host_ms = (_host_ns() - host0) / (3 * steps) / 1e6
     finally:
         torch_tpu.set_eager_mode(previous)
     return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
-            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2), "final_loss": round(final, 5),
+            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
+            "host_ms_per_step": round(host_ms, 3), "final_loss": round(final, 5),
             "platform": torch_tpu.platform()}
 
 
@@ -243,8 +294,8 @@ def main() -> None:
     d = sub.add_parser("dispatch", help="per-op dispatch cost on 64x64 tensors")
     d.add_argument("--n", type=int, default=2000)
     t = sub.add_parser("train", help="training steps per second of a workload")
-    t.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
-    t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "compile", "cpu"])
+    t.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl", "gpt-tiny"])
+    t.add_argument("--mode", default="strict", choices=["debug", "strict", "fused", "compile", "graph", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
     e = sub.add_parser("estimator", help="samples/s of TPUEstimator.fit next to the hand-written step")
@@ -266,15 +317,16 @@ def main() -> None:
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":
-        modes = ["debug", "strict", "fused", "compile", "cpu"] if a.compare else [a.mode]
+        modes = ["debug", "strict", "fused", "compile", "graph", "cpu"] if a.compare else [a.mode]
         rows = [train(a.workload, m, a.steps) for m in modes]
         for r in rows:
             print(json.dumps(r))
         if a.compare:
-            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'compile s':>10s} {'CPU ms/step':>12s}")
+            print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'compile s':>10s} {'CPU ms/step':>12s} "
+                  f"{'host ms/step':>13s}")
             for r in rows:
                 print(f"{r['mode']:8s} {r['steps_per_s']:9.2f} {r['first_step_s']:13.2f} {r['compile_s']:10.2f} "
-                      f"{r['cpu_ms_per_step']:12.2f}")
+                      f"{r['cpu_ms_per_step']:12.2f} {r['host_ms_per_step']:13.3f}")
     if a.cmd == "dispatch":
         r = dispatch(a.n)
         print(json.dumps(r))

@@ -55,6 +55,8 @@ SIZES = {  # (vocab, d_model, layers, heads, seq, batch)
     "gpt": (1000, 128, 2, 4, 64, 8),
     "gpt-issue": (1000, 256, 4, 4, 128, 8),
     "gpt-xl": (32000, 1024, 8, 16, 512, 16),
+    # host-bound: so little math that a step's time is the host's work (dispatch, tracing, calls)
+    "gpt-tiny": (128, 32, 2, 2, 16, 2),
 }
 NAMES = ("mlp", *SIZES)
 
@@ -94,4 +96,5 @@ def make(name: str, dev: torch.device | str, seed: int = 0, bf16: bool = False) 
 
     step.data = (x, y)  # the fixed batch (the estimator benchmark feeds it through a loader)
     step.make_optimizer = make_opt
+    step.optimizer = opt  # graph capture makes it capturable
     return model, step, tokens

@@ -120,6 +120,22 @@ def deferred() -> Iterator[None]:
         _mode = previous
 
 
+_before_capture: list[EagerMode] = []
+
+
+def begin_capture_recording() -> None:
+    """Records every program from now on, whatever the mode, until :func:`end_capture_recording`:
+    a captured graph (:mod:`torch_tpu.runtime.graphs`) is one trace, never run op by op."""
+    global _mode
+    _before_capture.append(_mode)
+    _mode = EagerMode.FUSED
+
+
+def end_capture_recording() -> None:
+    global _mode
+    _mode = _before_capture.pop()
+
+
 @contextlib.contextmanager
 def outer_mode() -> Iterator[None]:
     """Inside an :func:`eager_section`, runs the body in the mode the section interrupted: for a

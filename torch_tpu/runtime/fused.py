@@ -305,6 +305,8 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
     ended it, when not the caller's."""
     with _lock:
         _step_ended.clear()
+        if capture_hook is not None and capture_hook(reason):
+            return  # a graph capture keeps its trace whole (step ends, length cap), or refuses the sync
         if not _pending:
             return
         nodes = list(_pending)
@@ -358,3 +360,19 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
                 continue
             r.value = values[slots[(position[id(r.node)], r.index)]]
             r.node = None
+
+
+# Set by torch_tpu.runtime.graphs while a graph is captured: called with the reason of each flush;
+# True keeps the trace pending (the capture compiles it whole at its end), or it raises (a host read).
+capture_hook: Any = None
+
+
+def take_pending() -> tuple[list[Node], list[Lazy]]:
+    """Removes the pending trace without running it: its nodes, and its placeholders that are still
+    alive (held by storages or others). Graph capture compiles and binds them itself."""
+    with _lock:
+        _step_ended.clear()
+        nodes = list(_pending)
+        _pending.clear()
+        _graphs.clear()
+        return nodes, _alive()
