@@ -472,3 +472,13 @@ def _kernel_storage_value(st: Any) -> None:
 
 
 torch.UntypedStorage.resize_ = _resize_storage
+
+
+def _resize_storage_bytes(variable: torch.Tensor, new_size: int) -> None:
+    """``torch.ops.inductor.resize_storage_bytes_``, the op compiled graphs (compiled FSDP2) resize
+    storages with; its own kernel calls the C++ hook, as ``UntypedStorage.resize_`` does."""
+    resize_storage(variable.untyped_storage(), int(new_size))
+
+
+_inductor_lib = torch.library.Library("inductor", "IMPL")
+_inductor_lib.impl("resize_storage_bytes_", _resize_storage_bytes, "PrivateUse1")
