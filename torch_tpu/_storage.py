@@ -443,11 +443,11 @@ def resize_storage(st: Any, nbytes: int) -> None:
 
 def _set_elements(st: Any, n: int, dtype: torch.dtype) -> None:
     """Makes the storage's array ``n`` elements long, keeping the leading ones."""
-    if n == math.prod(st._shape):
+    if n == math.prod(getattr(st, "_shape", (-1,))):
         return
-    a = st._jx
+    a = getattr(st, "_jx", None)
     if n == 0 or a is None:
-        st._shape, st._jx = (n,), None
+        st._shape, st._dtype, st._jx = (n,), dtype, None
         return
     st._jx = execute(_resize_program(tuple(st._shape), n, _dtypes.to_jax(dtype)), base_array(st))
     st._shape = (n,)
