@@ -278,7 +278,7 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01, eps=1e-4)
 
 
-def _fsdp_train(case: str, device: str, rank: int, n: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+def _fsdp_train(case: str, device: str, rank: int, n: int, steps: int = FSDP_STEPS) -> tuple:
     """Trains the blocks model under FSDP2 on ``device`` (this rank's share of each batch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -297,7 +297,7 @@ def _fsdp_train(case: str, device: str, rank: int, n: int) -> tuple[torch.nn.Mod
     xs, ys = _seq_data()
     per = BATCH // n
     info: dict = {}
-    for x, y in zip(xs[:, rank * per : (rank + 1) * per], ys[:, rank * per : (rank + 1) * per]):
+    for x, y in zip(xs[:steps, rank * per : (rank + 1) * per], ys[:steps, rank * per : (rank + 1) * per]):
         out = model(x.to(device))
         info["out_dtype"] = out.dtype
         loss = torch.nn.functional.mse_loss(out.float(), y.to(device))
@@ -353,7 +353,7 @@ def _fsdp(rank: int, n: int, port: int, timeout_s: float) -> dict:
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
     torch.manual_seed(1 + rank)
-    fresh, fresh_opt, _ = _fsdp_train("no_reshard", "tpu", rank, n)
+    fresh, fresh_opt, _ = _fsdp_train("no_reshard", "tpu", rank, n, steps=0)  # get_state_dict makes its state
     with torch.no_grad():
         for p in fresh.parameters():
             p.mul_(0.5)  # the trained copy must not already match

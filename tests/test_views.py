@@ -132,6 +132,11 @@ def test_storage_resize_like_cpu():
         assert st.size() == 24
         torch.as_strided(t, (6,), (1,)).copy_(torch.full((6,), 2.0))
         torch.testing.assert_close(t.cpu(), torch.full((6,), 2.0))
+    t = torch.zeros(4, device="tpu")
+    torch.ops.inductor.resize_storage_bytes_(t, 0)  # the op compiled graphs resize with
+    assert t.untyped_storage().size() == 0
+    torch.ops.inductor.resize_storage_bytes_(t, 16)
+    assert t.untyped_storage().size() == 16
     st = torch.zeros(4, device="tpu").untyped_storage()
     assert st.resize_(0) is st
     assert st._jx is None  # resize_(0) frees the device array

@@ -461,11 +461,11 @@ def resize_storage(st: Any, nbytes: int) -> None:
 
 def _set_elements(st: Any, n: int, dtype: torch.dtype) -> None:
     """Makes the storage's array ``n`` elements long, keeping the leading ones."""
-    if n == math.prod(st._shape):
+    if n == math.prod(getattr(st, "_shape", (-1,))):
         return
-    a = st._jx
+    a = getattr(st, "_jx", None)
     if n == 0 or a is None:
-        st._shape, st._jx = (n,), None
+        st._shape, st._dtype, st._jx = (n,), dtype, None
         return
     st._jx = execute(_resize_program(tuple(st._shape), n, _dtypes.to_jax(dtype)), base_array(st))
     st._shape = (n,)
@@ -490,3 +490,13 @@ def _kernel_storage_value(st: Any) -> None:
 
 
 torch.UntypedStorage.resize_ = _resize_storage
+
+
+def _resize_storage_bytes(variable: torch.Tensor, new_size: int) -> None:
+    """``torch.ops.inductor.resize_storage_bytes_``, the op compiled graphs (compiled FSDP2) resize
+    storages with; its own kernel calls the C++ hook, as ``UntypedStorage.resize_`` does."""
+    resize_storage(variable.untyped_storage(), int(new_size))
+
+
+_inductor_lib = torch.library.Library("inductor", "IMPL")
+_inductor_lib.impl("resize_storage_bytes_", _resize_storage_bytes, "PrivateUse1")
