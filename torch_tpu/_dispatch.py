@@ -194,7 +194,9 @@ class _OpKernel:
             return tuple(outs)
 
         out_avals = [jax.ShapeDtypeStruct(shape, jdt) for (shape, _), jdt in zip(avals, jax_dtypes)]
-        return Program(f"{name}({sig})", program, multi=True, avals=out_avals), avals
+        labels = [a.name for a in self.op._schema.arguments if not a.kwarg_only]
+        labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
+        return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals
 
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -221,7 +221,7 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
         res = inner(target, indices, *args, **kwargs)
         return self if kind == "inplace" else res
 
-    kernel(op)(run)
+    kernel(op, fusable=True)(run)  # only masks read the host (and sync there); integer indices record
 
 
 _mask_kernel(aten.index.Tensor, "functional", _index, put=False)
