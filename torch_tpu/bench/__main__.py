@@ -6,6 +6,8 @@
     python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
+    python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,strict]
+                                      (see bench/decode.py)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
@@ -197,7 +199,17 @@ def main() -> None:
     e.add_argument("--mode", default="compile", choices=["strict", "fused", "compile"])
     e.add_argument("--steps", type=int, default=10)
     e.add_argument("--devices", default="1", help="comma-separated device counts, e.g. 1,4")
+    g = sub.add_parser("decode", help="decoding tokens/s of a small Llama: generate() and a static loop")
+    g.add_argument("--new", type=int, default=32)
+    g.add_argument("--prompt", type=int, default=16)
+    g.add_argument("--batch", type=int, default=4)
+    g.add_argument("--modes", default="cpu,fused,compile,strict")
+    g.add_argument("--loops", default="generate,static")
     a = p.parse_args()
+    if a.cmd == "decode":
+        from torch_tpu.bench import decode
+
+        decode.table(a.modes.split(","), a.loops.split(","), new=a.new, prompt_len=a.prompt, batch=a.batch)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":

@@ -345,11 +345,15 @@ def _record_recompile(site: Any, why: str) -> None:
     _site_recompiles[site] += 1
     if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
         _warned_sites.add(site)
-        message = (
-            f"tpu: the fused program at {text} recompiled {_site_recompiles[site]} times; last reason: {why}. "
-            "Shapes that change every step recompile every step: pad or bucket them, or use "
-            "DataLoader(drop_last=True) so the last batch has the same size."
-        )
+        if "grows every step" in why or "grew by one" in why:  # the reason already says what to do
+            advice = ("A decoding loop whose sequence or KV cache grows by a token per step compiles one program "
+                      "per length: use a static cache (generate(..., cache_implementation='static')) and "
+                      "fixed-size buffers; see docs/inference.md.")
+        else:
+            advice = ("Shapes that change every step recompile every step: pad or bucket them, or use "
+                      "DataLoader(drop_last=True) so the last batch has the same size.")
+        count = _site_recompiles[site]
+        message = f"tpu: the fused program at {text} recompiled {count} times; last reason: {why}. {advice}"
         if site[0] is not None:  # attributed to the user's line that ended the trace
             warnings.warn_explicit(message, UserWarning, site[0][0], site[0][1])
         else:
