@@ -52,7 +52,7 @@ def test_a_static_decoding_loop_compiles_nothing_between_the_8th_and_32nd_token(
     m = _on_tpu(model, compiled)
     counts = []
 
-    def on_token(step):
+    def on_token(step, buffer):
         torch_tpu.sync()  # a host read per token, as a streamer does
         counts.append(torch_tpu.metrics()["compile_count"])
 
@@ -62,6 +62,32 @@ def test_a_static_decoding_loop_compiles_nothing_between_the_8th_and_32nd_token(
         expected = static_decode(model, prompt, 32)
     assert counts[31] - counts[7] == 0, counts
     assert torch.equal(got.cpu(), expected)
+
+
+def test_sampling_with_logits_processors_and_a_stopping_check_stays_bounded(model):
+    """Temperature and top-k, multinomial sampling from a tpu generator, and a host stopping check
+    per token (an end-of-sequence test): nothing compiles between the 8th and 32nd token."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    m = _on_tpu(model, compiled=False)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)])
+    generator = torch.Generator("tpu").manual_seed(0)
+    counts, stopped = [], []
+
+    def on_token(step, buffer):
+        stopped.append(bool((buffer[:, 8 + step] == 255).all()))  # an end-of-sequence check, read on the host
+        counts.append(torch_tpu.metrics()["compile_count"])
+
+    prompt = _prompt(batch=2, length=8).to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = static_decode(m, prompt, 32, on_token=on_token, logits_processor=processors, generator=generator)
+    assert counts[31] - counts[7] == 0, counts
+    assert len(stopped) == 32
+    # top-5 sampling: every token is among the 5 highest scores CPU gives at its position
+    logits = model(got.cpu()).logits[:, 7:-1]
+    top5 = logits.topk(5, dim=-1).indices
+    assert (top5 == got.cpu()[:, 8:, None]).any(-1).all()
 
 
 def test_generate_names_the_growing_sequence_as_the_cause_of_its_recompiles(model, monkeypatch):

@@ -99,7 +99,7 @@ def test_an_inputs_identity_or_aliasing(fused_mode):
         x, y = torch.randn(n, device="tpu"), torch.randn(n, device="tpu")
         torch_tpu.sync()
 
-        def run(same):
+        def run(same, x=x, y=y):
             return (x + (x if same else y)).sum().item()
 
         (reason,) = _reasons(run, order)[-1:]

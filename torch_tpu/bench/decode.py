@@ -46,13 +46,18 @@ def tiny_llama(layers: int = 2, hidden: int = 128, vocab: int = 256, seed: int =
     return LlamaForCausalLM(config).eval()
 
 
-def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: Any = None) -> torch.Tensor:
-    """Greedy decoding with fixed shapes: the same tokens as ``generate(do_sample=False)``.
+def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: Any = None,
+                  logits_processor: Any = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Decoding with fixed shapes: greedy by default, the same tokens as ``generate(do_sample=False)``.
 
     Every step has the same shapes: a ``StaticCache`` sized for the whole reply, the position as a
     one-element tensor (a Python int would be a compile-time constant), and the tokens written
-    into a buffer of the final length with ``index_copy_`` at that position. ``on_token(step)`` runs
-    after each token is chosen (a streamer's host read, a timer)."""
+    into a buffer of the final length with ``index_copy_`` at that position. ``on_token(step, buffer)``
+    runs after each token is chosen (a streamer's host read, a stopping check, a timer).
+
+    With ``generator`` it samples (``torch.multinomial``) from the scores that ``logits_processor``
+    (transformers' ``LogitsProcessorList``: temperature, top-k, ...) makes of the logits; the
+    processors see the whole fixed-size buffer as ``input_ids``, zeros past the current token."""
     from transformers import StaticCache
 
     batch, length = prompt.shape
@@ -64,18 +69,27 @@ def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: A
     with torch.no_grad():
         logits = model(input_ids=prompt, **{name: cache}, use_cache=True,
                        cache_position=torch.arange(length, device=device)).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+        token = _choose(logits, out, logits_processor, generator)
         position = torch.tensor([length], device=device)
         for step in range(new_tokens):
             out.index_copy_(1, position, token)
             if on_token is not None:
-                on_token(step)
+                on_token(step, out)
             if step + 1 == new_tokens:
                 break
             logits = model(input_ids=token, **{name: cache}, use_cache=True, cache_position=position).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
+            token = _choose(logits, out, logits_processor, generator)
             position = position + 1
     return out
+
+
+def _choose(logits: torch.Tensor, ids: torch.Tensor, processor: Any, generator: torch.Generator | None) -> Any:
+    scores = logits[:, -1].float()
+    if processor is not None:
+        scores = processor(ids, scores)
+    if generator is None:
+        return scores.argmax(-1, keepdim=True)
+    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
 
 
 def _compiles() -> int:
@@ -98,7 +112,7 @@ class _Clock:
 
 def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
     if loop == "static":
-        return static_decode(model, prompt, new, on_token=lambda step: clock.mark())
+        return static_decode(model, prompt, new, on_token=lambda step, buffer: clock.mark())
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Mark(StoppingCriteria):
