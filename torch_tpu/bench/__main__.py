@@ -7,7 +7,8 @@
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
     python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,strict]
-                                      (see bench/decode.py)
+                                     [--loops generate,static] [--threads N]
+                                     (see bench/decode.py)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
@@ -205,10 +206,14 @@ def main() -> None:
     g.add_argument("--batch", type=int, default=4)
     g.add_argument("--modes", default="cpu,fused,compile,strict")
     g.add_argument("--loops", default="generate,static")
+    g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for the run (0: torch's default)")
     a = p.parse_args()
     if a.cmd == "decode":
         from torch_tpu.bench import decode
 
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
         decode.table(a.modes.split(","), a.loops.split(","), new=a.new, prompt_len=a.prompt, batch=a.batch)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
