@@ -52,7 +52,7 @@ def test_a_static_decoding_loop_compiles_nothing_between_the_8th_and_32nd_token(
     m = _on_tpu(model, compiled)
     counts = []
 
-    def on_token(step, buffer):
+    def on_token(step, token):
         torch_tpu.sync()  # a host read per token, as a streamer does
         counts.append(torch_tpu.metrics()["compile_count"])
 
@@ -65,17 +65,17 @@ def test_a_static_decoding_loop_compiles_nothing_between_the_8th_and_32nd_token(
 
 
 def test_sampling_with_logits_processors_and_a_stopping_check_stays_bounded(model):
-    """Temperature and top-k, multinomial sampling from a tpu generator, and a host stopping check
+    """Temperature and top-k, multinomial sampling from a seeded generator, and a host stopping check
     per token (an end-of-sequence test): nothing compiles between the 8th and 32nd token."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
     m = _on_tpu(model, compiled=False)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)])
-    generator = torch.Generator("tpu").manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # a CPU generator stands in for a tpu one (see _rng)
     counts, stopped = [], []
 
-    def on_token(step, buffer):
-        stopped.append(bool((buffer[:, 8 + step] == 255).all()))  # an end-of-sequence check, read on the host
+    def on_token(step, token):
+        stopped.append(bool((token == 255).all()))  # an end-of-sequence check, read on the host
         counts.append(torch_tpu.metrics()["compile_count"])
 
     prompt = _prompt(batch=2, length=8).to("tpu")

@@ -52,8 +52,10 @@ def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: A
 
     Every step has the same shapes: a ``StaticCache`` sized for the whole reply, the position as a
     one-element tensor (a Python int would be a compile-time constant), and the tokens written
-    into a buffer of the final length with ``index_copy_`` at that position. ``on_token(step, buffer)``
-    runs after each token is chosen (a streamer's host read, a stopping check, a timer).
+    into a buffer of the final length with ``index_copy_`` at that position. ``on_token(step, token)``
+    runs after each token is chosen, with the new tokens (a ``[batch, 1]`` tensor): a streamer's host
+    read, a stopping check, a timer. (Reading ``buffer[:, step]`` there instead would be a view at
+    a Python-int offset: a compile-time constant, a program per step.)
 
     With ``generator`` it samples (``torch.multinomial``) from the scores that ``logits_processor``
     (transformers' ``LogitsProcessorList``: temperature, top-k, ...) makes of the logits; the
@@ -74,7 +76,7 @@ def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: A
         for step in range(new_tokens):
             out.index_copy_(1, position, token)
             if on_token is not None:
-                on_token(step, out)
+                on_token(step, token)
             if step + 1 == new_tokens:
                 break
             logits = model(input_ids=token, **{name: cache}, use_cache=True, cache_position=position).logits
@@ -112,7 +114,7 @@ class _Clock:
 
 def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
     if loop == "static":
-        return static_decode(model, prompt, new, on_token=lambda step, buffer: clock.mark())
+        return static_decode(model, prompt, new, on_token=lambda step, token: clock.mark())
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Mark(StoppingCriteria):
