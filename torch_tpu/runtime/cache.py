@@ -307,7 +307,7 @@ def run_trace(
     else:
         entry.hits += 1
         _stats["hits"] += 1
-        _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, frozenset(want))
+        _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, want)  # a set only if explained
     entry.last_use = time.time()
     from torch_tpu.runtime import profiler
 
