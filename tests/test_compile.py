@@ -182,8 +182,8 @@ def test_reading_between_compiled_graphs():
 
 def test_dynamic_shapes_compile_once_per_size():
     f = torch.compile(lambda x: (x * 2).sum(0), backend="tpu", dynamic=False)
-    def compiles():  # per-op programs in strict mode, fused traces in fused mode
-        return torch_tpu.metrics()["compile_count"] + torch_tpu.cache_stats()["misses"]
+    def compiles():  # per-op programs and fused traces alike
+        return torch_tpu.metrics()["compile_count"]
 
     before = compiles()
     for n in (4, 4, 6, 6, 4):

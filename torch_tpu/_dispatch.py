@@ -188,7 +188,9 @@ class _OpKernel:
 
         out_avals = None if lowering.own_shapes else [jax.ShapeDtypeStruct(*o) for o in outs if o is not None]
         exact = not lowering.own_shapes and None not in avals
-        return Program(f"{name}({sig})", program, multi=True, avals=out_avals), avals, exact
+        labels = [a.name for a in self.op._schema.arguments if not a.kwarg_only]
+        labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
+        return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -196,12 +196,19 @@ def _write(plan: tuple, base_shape, size, stride, offset, dtype, base, value):
     return base.reshape(-1).at[idx].set(value.reshape(-1)).reshape(base_shape)
 
 
+def _geometry_key(base_shape: tuple, size: tuple, stride: tuple, offset: int, dtype: Any) -> tuple:
+    """What a strided read or write is specialised on, for the recompilation explainer."""
+    return (("storage shape", tuple(base_shape)), ("size", tuple(size)), ("stride", tuple(stride)),
+            ("offset", offset), ("dtype", dtype))
+
+
 @functools.lru_cache(maxsize=65536)
 def _read_program(base_shape, size, stride, offset, dtype) -> Program:
     plan = _plan(base_shape, size, stride, offset)
     return Program(
         f"read {plan[0]} {list(size)} of {list(base_shape)}",
         functools.partial(_read, plan, base_shape, size, stride, offset, dtype),
+        key=_geometry_key(base_shape, size, stride, offset, dtype),
     )
 
 
@@ -211,6 +218,7 @@ def _write_program(base_shape, size, stride, offset, dtype) -> Program:
     return Program(
         f"write {plan[0]} {list(size)} into {list(base_shape)}",
         functools.partial(_write, plan, base_shape, size, stride, offset, dtype),
+        key=_geometry_key(base_shape, size, stride, offset, dtype),
     )
 
 

@@ -8,6 +8,9 @@
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
     python -m torch_tpu.bench fsdp [--nproc 2]                  (DDP next to FSDP2, both paths)
+    python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,strict]
+                                     [--loops generate,static] [--threads N]
+                                     (see bench/decode.py)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
 DataLoader), next to the same step written by hand in the same mode (``train``), for each device
@@ -307,6 +310,13 @@ def main() -> None:
     r.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
     r.add_argument("--mode", default="fused", choices=["strict", "fused", "compile"])
     r.add_argument("--batches", type=int, default=20)
+    g = sub.add_parser("decode", help="decoding tokens/s of a small Llama: generate() and a static loop")
+    g.add_argument("--new", type=int, default=32)
+    g.add_argument("--prompt", type=int, default=16)
+    g.add_argument("--batch", type=int, default=4)
+    g.add_argument("--modes", default="cpu,fused,compile,strict")
+    g.add_argument("--loops", default="generate,static")
+    g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for the run (0: torch's default)")
     a = p.parse_args()
     if a.cmd == "predict":
         r = predict(a.workload, a.batches, a.mode)
@@ -314,6 +324,13 @@ def main() -> None:
         print(f"{'':10s} {'samples/s':>10s}\n{'predict':10s} {r['predict_samples_per_s']:10.1f}\n"
               f"{'jax':10s} {r['jax_samples_per_s']:10.1f}\npredict / jax: {r['ratio']:.3f}; "
               f"programs compiled per pass: {r['compiles_per_pass']}")
+    if a.cmd == "decode":
+        from torch_tpu.bench import decode
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
+        decode.table(a.modes.split(","), a.loops.split(","), new=a.new, prompt_len=a.prompt, batch=a.batch)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":

@@ -22,7 +22,6 @@ import importlib
 import logging
 import math
 import operator
-import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -485,6 +484,12 @@ def _scalar_output(value: Any, meta: Any, key: list, symbols: dict) -> Any:
     return fused.concrete(value).item()
 
 
+class _Tensor(tuple):
+    """A graph input's (shape, dtype) in a program's key: the explainer shows it as a tensor. Named
+    as the dispatcher's signature type is, which the explainer recognises by name."""
+
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
@@ -535,17 +540,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
             # the input signature as a short checksum: shapes show in the trace's wiring anyway
             signature = zlib.crc32(repr(key).encode())
-            program = cache[tuple(key)] = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals)
+            labelled = tuple((f"graph input {i}", _Tensor(k) if isinstance(k, tuple) else k)
+                             for i, k in enumerate(key))
+            program = cache[tuple(key)] = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals,
+                                                  key=labelled)
             if avals is not None:
                 program.shapes[()] = avals  # known from the trace: recording skips the abstract run
-            new = executor.recording()  # debug mode counts the program's own compile when it runs
-        else:
-            new = False
+        # recorded, the graph is compiled by XLA with the trace that holds it, and counted there;
+        # in debug mode the program counts its own compile when it first runs
         rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
-        t0 = time.perf_counter()
         outs = execute(program, *rng, *arrays)
-        if new:  # recorded: lowered and shape-checked now, compiled by XLA with the step's program
-            metrics.count_compile(program.name, time.perf_counter() - t0)
         n_out = len(out_metas)
         for t, v in zip(targets, outs[n_out:n_out + len(targets)]):
             write(t, v)

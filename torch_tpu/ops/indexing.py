@@ -222,7 +222,7 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
         return self if kind == "inplace" else res
 
     run.counts_itself = True  # one of the two lowering kernels counts each call
-    kernel(op)(run)
+    kernel(op, fusable=True)(run)  # only masks read the host (and sync there); integer indices record
 
 
 _mask_kernel(aten.index.Tensor, "functional", _index, put=False)

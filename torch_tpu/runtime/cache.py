@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from torch_tpu.runtime import metrics
+
 RECOMPILE_WARN = int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
 
 
@@ -66,31 +68,170 @@ def _fingerprint(key: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def explain(old: Any, new: Any, sites: list) -> str:
-    """The first difference between two traces recorded at the same sync point."""
-    for i, ((p_old, w_old), (p_new, w_new)) in enumerate(zip(old, new)):
+def _op_name(program: Any) -> str:
+    return program.name.split("(")[0]
+
+
+def _spec_text(v: Any) -> str:
+    """One argument of an op's signature in words (the dispatcher's signature types by name, so
+    this module need not import the dispatcher)."""
+    kind = type(v).__name__
+    if kind == "_Tensor":
+        return f"{str(v[1]).removeprefix('torch.')}{list(v[0])}"
+    if kind == "_View":
+        return (f"a view {str(v[1]).removeprefix('torch.')}{list(v[0])} of a {list(v[2])} storage "
+                f"(stride {list(v[3])}, offset {v[4]})")
+    if kind == "_Empty":
+        return f"an uninitialised {str(v[1]).removeprefix('torch.')}{list(v[0])}"
+    if kind == "_Scalar":
+        return f"a runtime {getattr(v[0], '__name__', str(v[0]).removeprefix('torch.'))}"
+    if type(v) is int:
+        return f"the Python int {v}"
+    if type(v) is bool:
+        return f"the Python bool {v}"
+    if type(v) is float:
+        return f"the Python float {v!r}"
+    return repr(v)
+
+
+def _first_leaf_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first place where two signature values differ: (where, old leaf, new leaf)."""
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+        for k, (x, y) in enumerate(zip(a, b)):
+            found = _first_leaf_difference(x, y, f"{path}[{k}]")
+            if found is not None:
+                return found
+        return None
+    if type(a) is not type(b) or a != b:
+        return path, a, b
+    return None
+
+
+def _hint(a: Any, b: Any) -> str:
+    """Why such a difference compiles, and what to do about it."""
+    ka, kb = type(a).__name__, type(b).__name__
+    if type(a) is int and type(b) is int:
+        return (" (Python ints are compile-time constants: each value compiles its own program; pass a tensor, "
+                "or a float, where the value changes every step)")
+    if ka == kb == "_View" and a[2] != b[2]:
+        return (" (the storage it views has another shape: a tensor that grows every step, such as a sequence "
+                "extended by torch.cat in a decoding loop or a dynamic KV cache, compiles a program per length; "
+                "preallocate it at its final size, e.g. a static cache)")
+    if ka == kb == "_Tensor" and a[0] != b[0]:
+        return _growth_hint(a[0], b[0])
+    return ""
+
+
+def _growth_hint(old: tuple, new: tuple) -> str:
+    if len(old) == len(new) and sum(x != y for x, y in zip(old, new)) == 1:
+        d = next(k for k, (x, y) in enumerate(zip(old, new)) if x != y)
+        if new[d] == old[d] + 1:
+            return (f" (dim {d} grew by one: a tensor that grows every step, such as a sequence extended by "
+                    "torch.cat in a decoding loop or a dynamic KV cache, compiles a program per length; "
+                    "preallocate it at its final size, e.g. a static cache)")
+    return ""
+
+
+def _program_difference(i: int, old: Any, new: Any, where: str) -> str:
+    """Two programs of the same op: which part of what they are specialised on differs."""
+    head = f"op #{i} {_op_name(new)} (recorded at {where})"
+    ka, kb = old.key, new.key
+    if ka is not None and kb is not None:
+        da, db = dict(ka), dict(kb)
+        labels = [k for k, _ in kb] + [k for k, _ in ka if k not in db]
+        for label in labels:
+            if label not in da or label not in db:
+                va, vb = (_spec_text(da[label]) if label in da else "its default",
+                          _spec_text(db[label]) if label in db else "its default")
+                return f"{head}: argument '{label}' changed from {va} to {vb}"
+            found = _first_leaf_difference(da[label], db[label], f"argument '{label}'")
+            if found is not None:
+                path, a, b = found
+                return f"{head}: {path} changed from {_spec_text(a)} to {_spec_text(b)}{_hint(a, b)}"
+    if old.name != new.name:
+        return f"{head} changed its inputs: {old.name} -> {new.name}"
+    return (f"{head} is another program with the same signature ({new.name}): it was built anew "
+            "(a torch.compile graph that Dynamo recompiled, or a custom op defined again)")
+
+
+def _wire_text(w: tuple) -> str:
+    if w[0] == "n":
+        return f"output {w[2]} of op #{w[1]}"
+    if w[0] == "s":
+        return f"a runtime {w[2].__name__} (argument {w[1]})"
+    return f"input array #{w[1]} ({str(w[3])}{list(w[2])})"
+
+
+def explain(old: tuple, new: tuple, sites: list) -> str:
+    """The first difference between two traces recorded at the same sync point. ``old``, ``new``:
+    (trace key, donated inputs, outputs kept). The ops are compared first, then their wiring, then
+    the donated buffers and the outputs kept: the text never shows two equal signatures."""
+    (k_old, d_old, o_old), (k_new, d_new, o_new) = old, new
+
+    def where(i: int) -> str:
+        return _site_text(sites[i]) if i < len(sites) else "<unknown>"
+
+    first_arrays_old: dict[int, tuple] = {}
+    first_arrays_new: dict[int, tuple] = {}
+    for i, ((p_old, w_old), (p_new, w_new)) in enumerate(zip(k_old, k_new)):
         if p_old is not p_new:
-            if p_old.name.split("(")[0] == p_new.name.split("(")[0]:
-                return f"op #{i} {p_new.name.split('(')[0]} changed its inputs: {p_old.name} -> {p_new.name}"
-            return (
-                f"the op sequence diverged at op #{i} (recorded at {_site_text(sites[i])}): "
-                f"{p_old.name} -> {p_new.name}"
-            )
-        if w_old != w_new:
-            for k, (a, b) in enumerate(zip(w_old, w_new)):
-                if a != b:
-                    if a[0] == "a" and b[0] == "a" and a[2:4] == b[2:4]:
-                        return f"input {k} of op #{i} {p_new.name.split('(')[0]} changed its sharding: {a[4]} -> {b[4]}"
-                    if a[0] == "a" and b[0] == "a":
-                        return (
-                            f"input {k} of op #{i} {p_new.name.split('(')[0]} changed from "
-                            f"{a[3]}{list(a[2])} to {b[3]}{list(b[2])}"
-                        )
-                    return f"input {k} of op #{i} {p_new.name.split('(')[0]} changed kind: {a[0]} -> {b[0]}"
-    if len(old) != len(new):
-        where = _site_text(sites[min(len(old), len(new)) - 1])
-        return f"the trace has {len(new)} ops instead of {len(old)} (recorded at {where})"
-    return "the same ops, but other values are kept alive as outputs"
+            if _op_name(p_old) == _op_name(p_new):
+                return _program_difference(i, p_old, p_new, where(i))
+            return f"the op sequence diverged at op #{i} (recorded at {where(i)}): {p_old.name} -> {p_new.name}"
+        for k, (a, b) in enumerate(zip(w_old, w_new)):
+            head = f"input {k} of op #{i} {_op_name(p_new)} (recorded at {where(i)})"
+            if a == b:
+                if a[0] == "a":
+                    first_arrays_old.setdefault(a[1], (i, k))
+                    first_arrays_new.setdefault(b[1], (i, k))
+                continue
+            if a[0] == "a" and b[0] == "a":
+                if a[2:4] != b[2:4]:
+                    return (f"{head} changed from {a[3]}{list(a[2])} to {b[3]}{list(b[2])}"
+                            f"{_growth_hint(tuple(a[2]), tuple(b[2]))}")
+                if a[4] != b[4]:
+                    return f"{head} changed its sharding: {a[4]} -> {b[4]}"
+                # the same shape: which array it is, relative to the other inputs, changed
+                seen_old, seen_new = first_arrays_old.get(a[1]), first_arrays_new.get(b[1])
+                if seen_new is not None:
+                    return (f"{head} is now the same array as input {seen_new[1]} of op #{seen_new[0]} "
+                            "(an input's identity changed: two uses now share one array)")
+                if seen_old is not None:
+                    return (f"{head} was the same array as input {seen_old[1]} of op #{seen_old[0]}, now a "
+                            "different one (an input's identity changed: one array is now two)")
+                return f"{head} is another input array: #{a[1]} -> #{b[1]} (the inputs' order or aliasing changed)"
+            if a[0] == "n" and b[0] == "n":
+                return f"{head} is wired differently: {_wire_text(a)} -> {_wire_text(b)}"
+            return f"{head} changed kind: {_wire_text(a)} -> {_wire_text(b)}"
+        if len(w_old) != len(w_new):
+            return f"op #{i} {_op_name(p_new)} (recorded at {where(i)}) has {len(w_new)} inputs instead of {len(w_old)}"
+    if len(k_old) != len(k_new):
+        at = min(len(k_old), len(k_new))
+        extra = k_new[at][0].name if len(k_new) > at else k_old[at][0].name
+        which = "new" if len(k_new) > at else "missing"
+        return (f"the trace has {len(k_new)} ops instead of {len(k_old)} (first {which} op #{at}: {extra}, "
+                f"recorded at {where(at) if len(k_new) > at else where(at - 1)})")
+    if d_old != d_new:
+        return (f"the donated input buffers changed: arrays {list(d_old)} -> {list(d_new)} (an input is donated when "
+                "nothing outside the trace still holds it; keeping a reference to an old value, or dropping one, "
+                "changes that)")
+    return _outputs_difference(o_old, o_new, k_new)
+
+
+def _outputs_difference(o_old: Any, o_new: Any, key: Any) -> str:
+    gone, added = sorted(set(o_old) - set(o_new)), sorted(set(o_new) - set(o_old))
+
+    def text(outs: list) -> str:
+        shown = ", ".join(f"output {j} of op #{i} {_op_name(key[i][0])}" for i, j in outs[:3])
+        return shown + (f" and {len(outs) - 3} more" if len(outs) > 3 else "")
+
+    parts = []
+    if added:
+        parts.append(f"now also kept: {text(added)}")
+    if gone:
+        parts.append(f"no longer kept: {text(gone)}")
+    return ("the same ops, but other values are kept alive as outputs (" + "; ".join(parts or ["the same set"]) +
+            "): a tensor still referenced after the sync point is an output of the program")
 
 
 def _site_key(flush_site: Any, reason: str, key: Any) -> tuple:
@@ -144,10 +285,13 @@ def run_trace(
             raise _trace_error(e, key, sites) from e
         site = _site_key(flush_site, reason, key)
         previous = _last_key_at_site.get(site)
-        if previous is not None or variants:
-            why = "other values are kept alive as outputs" if variants else explain(previous, key, sites)
-            _record_recompile(site, why)
-        _last_key_at_site[site] = key
+        now = (key, donate, frozenset(outputs))
+        if variants:  # the same trace and donations: the outputs kept differ from every compiled variant
+            closest = min(variants, key=lambda e: len(e.outputs ^ now[2]))
+            _record_recompile(site, _outputs_difference(closest.outputs, now[2], key))
+        elif previous is not None:
+            _record_recompile(site, explain(previous, now, sites))
+        _last_key_at_site[site] = now
         entry = Entry(
             fingerprint=_fingerprint(key),
             ops=len(key),
@@ -159,10 +303,11 @@ def run_trace(
         _entries.setdefault((key, donate), []).append(entry)
         _stats["misses"] += 1
         _stats["compile_seconds"] += seconds
+        metrics.count_compile(f"fused program {entry.fingerprint} ({entry.ops} ops)", seconds)
     else:
         entry.hits += 1
         _stats["hits"] += 1
-        _last_key_at_site[_site_key(flush_site, reason, key)] = key
+        _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, want)  # a set only if explained
     entry.last_use = time.time()
     from torch_tpu.runtime import profiler
 
@@ -200,11 +345,15 @@ def _record_recompile(site: Any, why: str) -> None:
     _site_recompiles[site] += 1
     if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
         _warned_sites.add(site)
-        message = (
-            f"tpu: the fused program at {text} recompiled {_site_recompiles[site]} times; last reason: {why}. "
-            "Shapes that change every step recompile every step: pad or bucket them, or use "
-            "DataLoader(drop_last=True) so the last batch has the same size."
-        )
+        if "grows every step" in why or "grew by one" in why:  # the reason already says what to do
+            advice = ("A decoding loop whose sequence or KV cache grows by a token per step compiles one program "
+                      "per length: use a static cache (generate(..., cache_implementation='static')) and "
+                      "fixed-size buffers; see docs/inference.md.")
+        else:
+            advice = ("Shapes that change every step recompile every step: pad or bucket them, or use "
+                      "DataLoader(drop_last=True) so the last batch has the same size.")
+        count = _site_recompiles[site]
+        message = f"tpu: the fused program at {text} recompiled {count} times; last reason: {why}. {advice}"
         if site[0] is not None:  # attributed to the user's line that ended the trace
             warnings.warn_explicit(message, UserWarning, site[0][0], site[0][1])
         else:

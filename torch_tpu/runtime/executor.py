@@ -154,14 +154,19 @@ class Program:
 
     ``name`` is what errors and metrics show: the ATen op and the input signature.
     ``multi``: the function returns a tuple of arrays (fused mode finds out with ``jax.eval_shape``).
+    ``key``: what the program is specialised on, as ``(label, value)`` pairs (an op's arguments by
+    name, a view's geometry): the recompilation explainer names the first that differs between two
+    programs, since their names may not show it (a view's offset, the storage it reads).
     """
 
-    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "_jitted")
+    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "_jitted")
 
-    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None,
+                 key: tuple | None = None) -> None:
         self.name = name
         self.fn = fn
         self.multi = multi
+        self.key = key
         self.fixed = avals  # the outputs' shapes and dtypes when the program has one input signature
         self.shapes: dict[tuple, list] = {}  # fused mode: input signature -> output shapes and dtypes
         self._jitted: Callable[..., Any] | None = None

@@ -21,7 +21,9 @@ eager_graphs: collections.Counter[str] = collections.Counter()
 
 
 def count_compile(name: str, seconds: float) -> None:
-    """Records one compilation of a per-op program."""
+    """Records one XLA compilation: a per-op program (strict and debug mode) or a fused trace
+    (named ``fused program <fingerprint>``, one per miss of :func:`cache_stats`), so that
+    ``compile_count`` counts every program compiled and ``fused_compile_count`` equals the misses."""
     with _lock:
         compile_counts[name] += 1
         compile_seconds[name] += seconds
@@ -47,7 +49,8 @@ def metrics() -> dict[str, Any]:
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
         "decomposition_counts": dict(decomposition_counts),
-        "compile_count": sum(compile_counts.values()),
+        "compile_count": sum(compile_counts.values()),  # every XLA program: per-op ones and fused traces
+        "fused_compile_count": sum(n for k, n in compile_counts.items() if k.startswith("fused program ")),
         "compile_seconds": round(sum(compile_seconds.values()), 4),
         "transfer_bytes": dict(transfer_bytes),
         "eager_graphs": dict(eager_graphs),

@@ -1,0 +1,109 @@
+"""Decoding with transformers on tpu: the same tokens as CPU, and a fixed-shape decoding step that
+compiles nothing per token."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu
+from torch_tpu.bench.decode import static_decode, tiny_llama
+from torch_tpu.runtime import cache
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2, hidden=64)
+
+
+def _prompt(batch=2, length=6):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(3))
+
+
+def _on_tpu(model, compiled):
+    m = tiny_llama(layers=2, hidden=64)
+    m.load_state_dict(model.state_dict())
+    m = m.to("tpu")
+    if compiled:
+        m.forward = torch.compile(m.forward, backend="tpu")
+    return m
+
+
+@pytest.mark.parametrize("implementation", [None, "static"])
+def test_greedy_generate_gives_cpus_tokens(model, implementation):
+    prompt = _prompt()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation=implementation)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, **kw)
+        got = _on_tpu(model, compiled=False).generate(prompt.to("tpu"), **kw)
+    assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-forward"])
+def test_a_static_decoding_loop_compiles_nothing_between_the_8th_and_32nd_token(model, compiled):
+    """The first call: after the first tokens every step is one program already compiled, in the
+    eager mode in force (fused or strict) and with a compiled forward. The tokens are CPU's."""
+    prompt = _prompt(batch=2, length=8)
+    m = _on_tpu(model, compiled)
+    counts = []
+
+    def on_token(step, token):
+        torch_tpu.sync()  # a host read per token, as a streamer does
+        counts.append(torch_tpu.metrics()["compile_count"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = static_decode(m, prompt.to("tpu"), 32, on_token=on_token)
+        expected = static_decode(model, prompt, 32)
+    assert counts[31] - counts[7] == 0, counts
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_sampling_with_logits_processors_and_a_stopping_check_stays_bounded(model):
+    """Temperature and top-k, multinomial sampling from a seeded generator, and a host stopping check
+    per token (an end-of-sequence test): nothing compiles between the 8th and 32nd token."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    m = _on_tpu(model, compiled=False)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)])
+    generator = torch.Generator().manual_seed(0)  # a CPU generator stands in for a tpu one (see _rng)
+    counts, stopped = [], []
+
+    def on_token(step, token):
+        stopped.append(bool((token == 255).all()))  # an end-of-sequence check, read on the host
+        counts.append(torch_tpu.metrics()["compile_count"])
+
+    prompt = _prompt(batch=2, length=8).to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = static_decode(m, prompt, 32, on_token=on_token, logits_processor=processors, generator=generator)
+    assert counts[31] - counts[7] == 0, counts
+    assert len(stopped) == 32
+    # top-5 sampling: every token is among the 5 highest scores CPU gives at its position
+    logits = model(got.cpu()).logits[:, 7:-1]
+    top5 = logits.topk(5, dim=-1).indices
+    assert (top5 == got.cpu()[:, 8:, None]).any(-1).all()
+
+
+def test_generate_names_the_growing_sequence_as_the_cause_of_its_recompiles(model, monkeypatch):
+    """generate() extends input_ids and the attention mask by one column per token (torch.cat): with
+    static shapes that is a program per length, even with a static cache. The reasons and the
+    warning say so, and point at the fix."""
+    monkeypatch.setattr(cache, "RECOMPILE_WARN", 4)
+    cache._warned_sites.clear()
+    cache._site_recompiles.clear()
+    before = len(cache.recompiles)
+    m = _on_tpu(model, compiled=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.generate(_prompt().to("tpu"), max_new_tokens=7, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+    reasons = [r.reason for r in cache.recompiles[before:]]
+    assert reasons and all("grows every step" in r or "grew by one" in r for r in reasons[-3:]), reasons
+    messages = [str(c.message) for c in caught if "recompiled" in str(c.message)]
+    assert messages and "static cache" in messages[0], messages

@@ -1,0 +1,193 @@
+"""Autoregressive decoding: transformers' Llama with random weights, on tpu next to CPU PyTorch.
+
+    python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,strict]
+
+Each mode decodes greedily twice from the same prompt: the first call (a fresh process has compiled
+nothing for these shapes) gives the first-token latency and the compiles per token; the second,
+with the same lengths, gives the steady speed. Two loops are measured:
+
+* ``generate``: ``model.generate(..., cache_implementation="static")``. transformers grows
+  ``input_ids`` and the attention mask by one column per token (``torch.cat``), so every new
+  length is a new program: XLA needs static shapes.
+* ``static``: the same decoding written with fixed shapes, :func:`static_decode`: a
+  ``StaticCache``, the position as a tensor, and the tokens written into a preallocated buffer.
+  It compiles nothing after the first tokens.
+
+Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compile``
+(``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode). Reported per
+mode and loop: tokens/s (new tokens of all sequences per second), host ms per token step (process
+CPU time, every thread: on an accelerator the device work per token is tiny, so this bounds the
+speed), first-token latency (prefill and first token) and programs compiled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import torch_tpu
+
+MODES = ("cpu", "fused", "compile", "strict")
+
+
+def tiny_llama(layers: int = 2, hidden: int = 128, vocab: int = 256, seed: int = 0) -> Any:
+    """transformers' Llama with random weights: no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: Any = None,
+                  logits_processor: Any = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Decoding with fixed shapes: greedy by default, the same tokens as ``generate(do_sample=False)``.
+
+    Every step has the same shapes: a ``StaticCache`` sized for the whole reply, the position as a
+    one-element tensor (a Python int would be a compile-time constant), and the tokens written
+    into a buffer of the final length with ``index_copy_`` at that position. ``on_token(step, token)``
+    runs after each token is chosen, with the new tokens (a ``[batch, 1]`` tensor): a streamer's host
+    read, a stopping check, a timer. (Reading ``buffer[:, step]`` there instead would be a view at
+    a Python-int offset: a compile-time constant, a program per step.)
+
+    With ``generator`` it samples (``torch.multinomial``) from the scores that ``logits_processor``
+    (transformers' ``LogitsProcessorList``: temperature, top-k, ...) makes of the logits; the
+    processors see the whole fixed-size buffer as ``input_ids``, zeros past the current token."""
+    from transformers import StaticCache
+
+    batch, length = prompt.shape
+    device = prompt.device
+    cache = StaticCache(config=model.config, max_cache_len=length + new_tokens)
+    out = torch.zeros(batch, length + new_tokens, dtype=prompt.dtype, device=device)
+    out[:, :length] = prompt
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.x
+    with torch.no_grad():
+        logits = model(input_ids=prompt, **{name: cache}, use_cache=True,
+                       cache_position=torch.arange(length, device=device)).logits
+        token = _choose(logits, out, logits_processor, generator)
+        position = torch.tensor([length], device=device)
+        for step in range(new_tokens):
+            out.index_copy_(1, position, token)
+            if on_token is not None:
+                on_token(step, token)
+            if step + 1 == new_tokens:
+                break
+            logits = model(input_ids=token, **{name: cache}, use_cache=True, cache_position=position).logits
+            token = _choose(logits, out, logits_processor, generator)
+            position = position + 1
+    return out
+
+
+def _choose(logits: torch.Tensor, ids: torch.Tensor, processor: Any, generator: torch.Generator | None) -> Any:
+    scores = logits[:, -1].float()
+    if processor is not None:
+        scores = processor(ids, scores)
+    if generator is None:
+        return scores.argmax(-1, keepdim=True)
+    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+
+
+def _compiles() -> int:
+    return torch_tpu.metrics()["compile_count"]
+
+
+class _Clock:
+    """Marks the time, CPU time and compile count at each token (a stopping criterion's call, or
+    ``static_decode``'s ``on_token``), reading the token count on the host so each step ends there."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.marks: list[tuple[float, float, int]] = []
+
+    def mark(self) -> None:
+        if self.device == "tpu":
+            torch_tpu.sync()
+        self.marks.append((time.perf_counter(), time.process_time(), _compiles() if self.device == "tpu" else 0))
+
+
+def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
+    if loop == "static":
+        return static_decode(model, prompt, new, on_token=lambda step, token: clock.mark())
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Mark(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            clock.mark()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                              cache_implementation="static", stopping_criteria=StoppingCriteriaList([Mark()]))
+
+
+def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 16, batch: int = 4,
+            layers: int = 2, hidden: int = 128) -> dict:
+    """One mode and loop: two decodes from the same prompt (see the module docstring)."""
+    model = tiny_llama(layers, hidden)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    device = "cpu" if mode == "cpu" else "tpu"
+    previous = torch_tpu.get_eager_mode()
+    if device == "tpu":
+        model = model.to("tpu")
+        prompt = prompt.to("tpu")
+        if mode == "compile":
+            model.forward = torch.compile(model.forward, backend="tpu")
+        torch_tpu.set_eager_mode("fused" if mode == "fused" else "strict")
+    try:
+        runs = []
+        for _ in range(2):
+            clock = _Clock(device)
+            start = (time.perf_counter(), time.process_time(), _compiles() if device == "tpu" else 0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tokens = _run(model, loop, prompt, new, clock)
+            runs.append((start, clock.marks, tokens.cpu()))
+    finally:
+        if device == "tpu":
+            torch_tpu.set_eager_mode(previous)
+    (start0, marks0, tokens), (_, marks1, _) = runs
+    steady = marks1[1:]  # token 2 onwards: the steady per-token step
+    seconds = steady[-1][0] - steady[0][0]
+    cpu = steady[-1][1] - steady[0][1]
+    steps = len(steady) - 1
+    first = marks0[0]
+    later = marks0[min(8, len(marks0) - 1)]
+    return {
+        "mode": mode, "loop": loop, "tokens_per_s": round(batch * steps / seconds, 1),
+        "host_ms_per_token": round(1000 * cpu / steps, 2), "wall_ms_per_token": round(1000 * seconds / steps, 2),
+        "first_token_s": round(first[0] - start0[0], 3),
+        "first_call_s": round(marks0[-1][0] - start0[0], 2),
+        "compiles_first_call": marks0[-1][2] - start0[2],
+        "compiles_after_token_8": marks0[-1][2] - later[2],
+        "compiles_second_call": marks1[-1][2] - marks1[0][2],
+        "tokens": tokens,
+    }
+
+
+def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
+    """Every mode and loop in one process, CPU first; prints a table, returns the rows."""
+    rows = []
+    cpu: dict[str, dict] = {}
+    print("| loop | mode | tokens/s | x CPU | host ms/token | wall ms/token | first token s | first call s "
+          "| compiles (first call) | compiles after token 8 | same tokens as CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for loop in loops:
+        for mode in modes:
+            r = measure(mode, loop, **kw)
+            if mode == "cpu":
+                cpu[loop] = r
+            ref = cpu.get(loop)
+            ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-"
+            same = "-" if ref is None or mode == "cpu" else str(torch.equal(r["tokens"], ref["tokens"]))
+            print(f"| {loop} | {mode} | {r['tokens_per_s']} | {ratio} | {r['host_ms_per_token']} | "
+                  f"{r['wall_ms_per_token']} | {r['first_token_s']} | {r['first_call_s']} | "
+                  f"{r['compiles_first_call']} | {r['compiles_after_token_8']} | {same} |", flush=True)
+            rows.append(r)
+    return rows
