@@ -173,7 +173,10 @@ def test_import_after_a_backward_pass_warns():
     import sys
     import warnings
 
-    env = {**os.environ, "TORCH_TPU_CACHE_DIR": "off", "TORCH_TPU_PLATFORM": "cpu"}
+    # with PyTorch's backend autoload off: autoload registers tpu during ``import torch``, so the
+    # trap exists only without it (tests/test_autoload.py has the autoload case)
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": "off", "TORCH_TPU_PLATFORM": "cpu",
+           "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     out = subprocess.run([sys.executable, "-c", _LATE_IMPORT_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import torch
 
+import _torch_tpu_autoload
 from torch_tpu import _rng
 from torch_tpu.runtime.executor import synchronize as _synchronize
 
@@ -56,16 +57,10 @@ def check_index(index: int | None) -> int:
 
 
 # ------------------------------------------------------------------ the torch.cuda-like API
-def is_available() -> bool:
-    return len(_devices()) > 0
-
-
-def is_initialized() -> bool:
-    return True
-
-
-def _is_in_bad_fork() -> bool:
-    return False
+# answered without starting JAX (``init_process_group()`` asks before the multi-controller runtime starts)
+is_available = _torch_tpu_autoload.is_available
+is_initialized = _torch_tpu_autoload.is_initialized
+_is_in_bad_fork = _torch_tpu_autoload._is_in_bad_fork
 
 
 def device_count() -> int:
@@ -182,68 +177,17 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
     return int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
 
 
-def get_amp_supported_dtype() -> list[torch.dtype]:
-    return [torch.bfloat16, torch.float16]
-
-
-def is_bf16_supported() -> bool:
-    return True
+get_amp_supported_dtype = _torch_tpu_autoload.get_amp_supported_dtype
+is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
 
 
 from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, dev_id: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
 def register() -> None:
-    """Renames PrivateUse1 to ``tpu`` and installs this module as ``torch.tpu``."""
-    import sys
-
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    _setup_privateuseone_for_python_backend(
-        "tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard()
-    )
-    _register_pinning()
-
-
-_pinning_lib: list[torch.library.Library] = []
-
-
-def _register_pinning() -> None:
-    """``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` for tpu, the current accelerator.
-
-    Pinned (page-locked) host memory lets CUDA copy a batch asynchronously. PyTorch asks the
-    backend's C++ hooks for a pinned allocator, which a Python backend cannot provide, so without
-    this every ``pin_memory=True`` loader (a line many CUDA scripts carry) would raise. XLA copies
-    host buffers into its own memory when they move to the device, so pinning for tpu returns an
-    ordinary contiguous copy. Pinning for another device type goes on to PyTorch's own kernel."""
-    lib = torch.library.Library("aten", "IMPL")
-    composite = torch._C.DispatchKey.CompositeExplicitAutograd
-    pin = torch.ops.aten._pin_memory.default
-
-    def pin_memory(self: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-        target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
-        if target is not None and target.type == "tpu":
-            return self.clone(memory_format=torch.contiguous_format)
-        return pin._op_dk(composite, self, device)
-
-    lib.impl("_pin_memory", pin_memory, "CPU")
-    _pinning_lib.append(lib)
+    """Renames PrivateUse1 to ``tpu`` and installs ``torch.tpu`` (done by the light autoload hook,
+    :mod:`_torch_tpu_autoload`, when ``import torch`` ran it; idempotent)."""
+    _torch_tpu_autoload.register()
 
 
 class _EngineProbe(torch.autograd.Function):

@@ -1,0 +1,272 @@
+"""The ``tpu`` device, registered while ``import torch`` runs (PyTorch's out-of-tree backend autoload).
+
+PyTorch calls every ``torch.backends`` entry point near the end of ``import torch`` (RFC
+pytorch/pytorch#122468; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns it off). Ours is :func:`autoload`.
+It must be light and harmless in every process of an environment that has torch_tpu installed,
+CPU-only scripts and test suites included, so it imports neither jax nor the ``torch_tpu``
+package. It does only what has to exist before first use:
+
+* PrivateUse1 renamed ``tpu``, so ``torch.device("tpu")`` parses;
+* the device guard and hooks, so the autograd engine gives tpu a queue at the process's first
+  backward (a device registered after that backward has none: the old import-order trap);
+* ``torch.tpu``, a small module whose cheap functions (``is_available``) answer without JAX and
+  whose other attributes come from ``torch_tpu._device`` once the package is imported;
+* a dispatcher fallback for the tpu key: the first op on a tpu tensor imports ``torch_tpu`` (JAX
+  starts then), removes this fallback and re-runs the op on the real kernels;
+* the ``tpu`` c10d backend name and ``pin_memory`` for tpu (both import nothing heavy).
+
+The module lives outside the ``torch_tpu`` package because importing any submodule of a package
+runs the package's ``__init__``, which imports jax and registers every kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import types
+from typing import Any
+
+import torch
+
+_registered = False
+_autoloaded = False  # registered by import torch's autoload, so before any backward of the process
+_initialized = False  # torch_tpu (the package) finished importing
+_init_lock = threading.RLock()
+_fallback_lib: list[torch.library.Library] = []
+_pinning_lib: list[torch.library.Library] = []
+
+# torch.tpu attributes answered here, without importing torch_tpu (so without JAX).
+_LIGHT = ("is_available", "is_initialized", "_is_in_bad_fork", "current_device", "get_amp_supported_dtype",
+          "is_bf16_supported")
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point: registers the device; JAX starts at first use."""
+    global _autoloaded
+    if not _registered:
+        _autoloaded = True
+    register()
+
+
+def autoloaded() -> bool:
+    """Whether the device was registered during ``import torch`` (then the autograd engine has a tpu queue)."""
+    return _autoloaded
+
+
+def initialized() -> bool:
+    """Whether ``torch_tpu`` (its kernels, JAX) is loaded; the light hook alone leaves it False."""
+    return _initialized
+
+
+def remove_first_use_fallback() -> None:
+    """Called by ``torch_tpu`` just before it registers its own fallback for the tpu key."""
+    for lib in _fallback_lib:
+        lib._destroy()
+    _fallback_lib.clear()
+
+
+def mark_initialized() -> None:
+    """Called by ``torch_tpu`` at the end of its import."""
+    global _initialized
+    remove_first_use_fallback()
+    _initialized = True
+
+
+def ensure_initialized() -> None:
+    """Imports ``torch_tpu`` (JAX, every kernel) unless it is loaded."""
+    if _initialized:
+        return
+    with _init_lock:
+        if not _initialized:
+            import torch_tpu  # noqa: F401
+
+
+# ------------------------------------------------------------------ cheap answers (no JAX)
+def _requested_platform() -> str:
+    """The XLA platform the user asked for, "" for JAX's default order (TPU, GPU, then CPU)."""
+    p = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
+    if p:
+        return p
+    jp = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    return jp.split(",")[0] if jp else ""
+
+
+def _module_present(*names: str) -> bool:
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def _platform_present(platform: str) -> bool:
+    """Whether the PJRT plugin for ``platform`` is installed, found without loading it."""
+    if platform in ("", "cpu"):
+        return True  # XLA:CPU is built into jaxlib: JAX falls back to it when no accelerator is found
+    if platform == "tpu":
+        return _module_present("libtpu", "jax_plugins.libtpu")
+    if platform in ("gpu", "cuda"):
+        return _module_present("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                               "jax_plugins.xla_cuda12")
+    if platform == "rocm":
+        return _module_present("jax_rocm7_plugin", "jax_rocm60_plugin", "jax_plugins.xla_rocm7",
+                               "jax_plugins.xla_rocm60")
+    return False
+
+
+def _jax_backends_started() -> bool:
+    xb = sys.modules.get("jax._src.xla_bridge")
+    return xb is not None and bool(getattr(xb, "_backends", None))
+
+
+def is_available() -> bool:
+    """Whether a tpu device can be used, answered without starting JAX.
+
+    ``torch.accelerator.current_accelerator(check_available=True)`` calls this, and so does
+    ``init_process_group()`` on torch >= 2.14, before the distributed path starts JAX's
+    multi-controller runtime; creating a PJRT client here would make that impossible. So until JAX
+    has started, the answer comes from the installed plugins; afterwards, from the devices."""
+    if _jax_backends_started():
+        return sys.modules["torch_tpu._device"].device_count() > 0 if "torch_tpu._device" in sys.modules else True
+    return _platform_present(_requested_platform())
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def current_device() -> int:
+    return 0  # tensors live on tpu:0 (see torch_tpu._device)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported() -> bool:
+    return True
+
+
+class _DeviceModule(types.ModuleType):
+    """``torch.tpu``: the cheap functions above, then ``torch_tpu._device`` for everything else.
+
+    An attribute is looked up in ``torch_tpu._device`` once and kept here, so later calls cost
+    what a plain module attribute costs."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        ensure_initialized()
+        device = sys.modules["torch_tpu._device"]
+        try:
+            value = getattr(device, name)
+        except AttributeError:
+            raise AttributeError(f"module 'torch.tpu' has no attribute {name!r}") from None
+        setattr(self, name, value)
+        return value
+
+    def __dir__(self) -> list[str]:
+        names = set(super().__dir__())
+        if "torch_tpu._device" in sys.modules:
+            names.update(n for n in vars(sys.modules["torch_tpu._device"]) if not n.startswith("_"))
+        return sorted(names)
+
+
+def _make_device_module() -> _DeviceModule:
+    mod = _DeviceModule("torch.tpu", "The tpu device (torch_tpu), shaped like torch.cuda.")
+    for name in _LIGHT:
+        setattr(mod, name, globals()[name])
+    return mod
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):  # noqa: ANN201
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+# ------------------------------------------------------------------ first use
+_in_first_use = threading.local()
+
+
+def _first_use(op: torch._ops.OpOverload, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    """The dispatcher fallback for the tpu key until torch_tpu is loaded: loads it, re-runs the op."""
+    if getattr(_in_first_use, "active", False):
+        raise RuntimeError(f"tpu: {op} ran on a tpu tensor while torch_tpu was still being imported")
+    _in_first_use.active = True
+    try:
+        ensure_initialized()
+    finally:
+        _in_first_use.active = False
+    return op.redispatch(keyset, *args, **kwargs)
+
+
+def _register_pinning() -> None:
+    """``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` for tpu, the current accelerator.
+
+    Pinned (page-locked) host memory lets CUDA copy a batch asynchronously. PyTorch asks the
+    backend's C++ hooks for a pinned allocator, which a Python backend cannot provide, so without
+    this every ``pin_memory=True`` loader (a line many CUDA scripts carry) would raise, in every
+    process where autoload made tpu the current accelerator. XLA copies host buffers into its own
+    memory when they move to the device, so pinning for tpu returns an ordinary contiguous copy.
+    Pinning for another device type goes on to PyTorch's own kernel."""
+    lib = torch.library.Library("aten", "IMPL")
+    composite = torch._C.DispatchKey.CompositeExplicitAutograd
+    pin = torch.ops.aten._pin_memory.default
+
+    def pin_memory(self: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+        if target is not None and target.type == "tpu":
+            return self.clone(memory_format=torch.contiguous_format)
+        return pin._op_dk(composite, self, device)
+
+    lib.impl("_pin_memory", pin_memory, "CPU")
+    _pinning_lib.append(lib)
+
+
+def _c10d_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """Builds the ``tpu`` c10d process group; its module is imported on first use."""
+    ensure_initialized()
+    from torch_tpu.distributed.c10d import TPUProcessGroup
+
+    return TPUProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Renames PrivateUse1 to ``tpu`` and installs ``torch.tpu``; idempotent."""
+    global _registered
+    if _registered:
+        return
+    with _init_lock:
+        if _registered:
+            return
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        _setup_privateuseone_for_python_backend("tpu", backend_module=_make_device_module(), hook=_Hooks(),
+                                                device_guard=_Guard())
+        if not _initialized:
+            lib = torch.library.Library("_", "IMPL")
+            lib.fallback(_first_use, "PrivateUse1", with_keyset=True)
+            _fallback_lib.append(lib)
+        _register_pinning()
+        if torch.distributed.is_available():  # ``dist.init_process_group("tpu")``; tpu's default backend
+            torch.distributed.Backend.register_backend("tpu", _c10d_group, devices=["tpu"])
+        _registered = True
