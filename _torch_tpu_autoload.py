@@ -13,7 +13,9 @@ package. It does only what has to exist before first use:
   whose other attributes come from ``torch_tpu._device`` once the package is imported;
 * a dispatcher fallback for the tpu key: the first op on a tpu tensor imports ``torch_tpu`` (JAX
   starts then), removes this fallback and re-runs the op on the real kernels;
-* the ``tpu`` c10d backend name and ``pin_memory`` for tpu (both import nothing heavy).
+* the ``tpu`` c10d backend name and ``pin_memory`` for tpu (both import nothing heavy);
+* post-import hooks: when accelerate or Lightning finish importing (if they ever do), the
+  integration in ``torch_tpu.integrations`` installs itself, so neither is imported here.
 
 The module lives outside the ``torch_tpu`` package because importing any submodule of a package
 runs the package's ``__init__``, which imports jax and registers every kernel.
@@ -21,6 +23,8 @@ runs the package's ``__init__``, which imports jax and registers every kernel.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import importlib.util
 import os
 import sys
@@ -250,6 +254,71 @@ def _c10d_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
     return TPUProcessGroup(store, rank, size, timeout)
 
 
+# ------------------------------------------------------------------ post-import hooks
+# module -> "module:function" called with the module once it has finished executing
+_POST_IMPORT = {
+    "accelerate.state": "torch_tpu.integrations.accelerate:install",
+    "lightning.pytorch.trainer.connectors.accelerator_connector": "torch_tpu.integrations.lightning:install",
+    "pytorch_lightning.trainer.connectors.accelerator_connector": "torch_tpu.integrations.lightning:install",
+}
+
+
+def _run_hook(module: types.ModuleType) -> None:
+    import warnings
+
+    target = _POST_IMPORT[module.__name__]
+    mod_name, func = target.split(":")
+    try:
+        getattr(importlib.import_module(mod_name), func)(module)
+    except Exception as e:  # an integration must never break the user's import
+        warnings.warn(f"torch_tpu: the {module.__name__.split('.')[0]} integration ({target}) failed: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """The module's own loader, then the hook; every other attribute is the original loader's."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _run_hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the few hooked names it wraps the loader the other finders give."""
+
+    def __init__(self) -> None:
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _POST_IMPORT or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookedLoader(spec.loader)
+        return spec
+
+
+def _install_post_import_hooks() -> None:
+    sys.meta_path.insert(0, _PostImportFinder())
+    for name in _POST_IMPORT:  # imported before the device was registered (autoload off)
+        if name in sys.modules:
+            _run_hook(sys.modules[name])
+
+
 def register() -> None:
     """Renames PrivateUse1 to ``tpu`` and installs ``torch.tpu``; idempotent."""
     global _registered
@@ -270,3 +339,4 @@ def register() -> None:
         if torch.distributed.is_available():  # ``dist.init_process_group("tpu")``; tpu's default backend
             torch.distributed.Backend.register_backend("tpu", _c10d_group, devices=["tpu"])
         _registered = True
+        _install_post_import_hooks()
