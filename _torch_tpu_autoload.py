@@ -260,7 +260,47 @@ _POST_IMPORT = {
     "accelerate.state": "torch_tpu.integrations.accelerate:install",
     "lightning.pytorch.trainer.connectors.accelerator_connector": "torch_tpu.integrations.lightning:install",
     "pytorch_lightning.trainer.connectors.accelerator_connector": "torch_tpu.integrations.lightning:install",
+    # light on purpose: every CPU torch.compile user imports inductor, and only tpu graphs need torch_tpu
+    "torch._inductor.compile_fx": "_torch_tpu_autoload:route_inductor",
 }
+
+
+def _graph_on_tpu(gm: Any, example_inputs: Any) -> bool:
+    """Whether a Dynamo graph touches tpu tensors: an input (parameters are inputs too) or a value
+    made inside (``torch.ones(..., device="tpu")``)."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            return True
+    graph = getattr(gm, "graph", None)
+    for node in graph.nodes if graph is not None else ():
+        v = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(v, torch.Tensor) and v.device.type == "tpu":
+            return True
+    return False
+
+
+def route_inductor(compile_fx_module: types.ModuleType) -> None:
+    """Plain ``torch.compile(model)`` (inductor) on tpu tensors compiles with the tpu backend.
+
+    Upstream inductor registers, for a device named "tpu", a Pallas code generator whose kernels
+    import another project's runtime; torch_tpu's own backend compiles the whole graph into one XLA
+    program instead (see torch_tpu/integrations/inductor.py for the choice). Graphs without tpu
+    tensors go to inductor untouched."""
+    original = compile_fx_module.compile_fx
+    if getattr(original, "_torch_tpu", False):
+        return
+
+    def compile_fx(model_: Any, example_inputs_: Any, *args: Any, **kwargs: Any) -> Any:
+        if _graph_on_tpu(model_, example_inputs_):
+            from torch_tpu.integrations.inductor import compile_tpu_graph
+
+            return compile_tpu_graph(model_, example_inputs_, *args, **kwargs)
+        return original(model_, example_inputs_, *args, **kwargs)
+
+    compile_fx._torch_tpu = True  # type: ignore[attr-defined]
+    compile_fx.__doc__ = original.__doc__
+    compile_fx.__wrapped__ = original  # type: ignore[attr-defined]
+    compile_fx_module.compile_fx = compile_fx
 
 
 def _run_hook(module: types.ModuleType) -> None:
