@@ -254,6 +254,51 @@ def _c10d_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
     return TPUProcessGroup(store, rank, size, timeout)
 
 
+# ------------------------------------------------------------------ torch.accelerator on tpu
+# torch.accelerator function -> the torch.tpu function that answers it. PyTorch implements these
+# in C++ through the device guard and a C++ caching allocator, neither of which a Python backend
+# can supply (synchronize raises "Backend doesn't support ...", the memory functions fail an
+# internal assert), so for tpu they are answered by torch.tpu.
+_ACCELERATOR_ROUTES = {
+    "synchronize": "synchronize",
+    "empty_cache": "empty_cache",
+    "memory_stats": "accelerator_memory_stats",
+    "memory_allocated": "memory_allocated",
+    "max_memory_allocated": "max_memory_allocated",
+    "memory_reserved": "memory_reserved",
+    "max_memory_reserved": "max_memory_reserved",
+    "reset_peak_memory_stats": "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats": "reset_accumulated_memory_stats",
+    "get_memory_info": "mem_get_info",
+}
+
+
+def _tpu_is_the_accelerator() -> bool:
+    acc = torch._C._accelerator_getAccelerator()
+    return acc is not None and acc.type == "tpu"
+
+
+def _route(original: Any, tpu_name: str) -> Any:
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if _tpu_is_the_accelerator():
+            return getattr(torch.tpu, tpu_name)(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    routed.__name__, routed.__qualname__, routed.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    routed.__wrapped__ = original  # type: ignore[attr-defined]
+    routed._torch_tpu = True  # type: ignore[attr-defined]
+    return routed
+
+
+def _route_accelerator_api() -> None:
+    modules = [m for m in (getattr(torch, "accelerator", None), sys.modules.get("torch.accelerator.memory")) if m]
+    for mod in modules:
+        for name, tpu_name in _ACCELERATOR_ROUTES.items():
+            original = getattr(mod, name, None)
+            if original is not None and not getattr(original, "_torch_tpu", False):
+                setattr(mod, name, _route(original, tpu_name))
+
+
 # ------------------------------------------------------------------ post-import hooks
 # module -> "module:function" called with the module once it has finished executing
 _POST_IMPORT = {
@@ -378,5 +423,6 @@ def register() -> None:
         _register_pinning()
         if torch.distributed.is_available():  # ``dist.init_process_group("tpu")``; tpu's default backend
             torch.distributed.Backend.register_backend("tpu", _c10d_group, devices=["tpu"])
+        _route_accelerator_api()
         _registered = True
         _install_post_import_hooks()

@@ -177,6 +177,55 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
     return int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
 
 
+def _stat(device: int | str | torch.device | None, key: str, api: str) -> int:
+    stats = memory_stats(device)
+    if key not in stats:
+        raise RuntimeError(f"torch.tpu.{api}: the XLA {jax_device(_index_of(device)).platform} platform reports no "
+                           f"{key!r} (it reports {sorted(stats)})")
+    return int(stats[key])
+
+
+def memory_reserved(device: int | str | torch.device | None = None) -> int:
+    return _stat(device, "bytes_reserved", "memory_reserved")
+
+
+def max_memory_reserved(device: int | str | torch.device | None = None) -> int:
+    return _stat(device, "peak_bytes_reserved", "max_memory_reserved")
+
+
+def mem_get_info(device: int | str | torch.device | None = None) -> tuple[int, int]:
+    """(free, total) bytes, from XLA's allocator limit and what is in use."""
+    total = _stat(device, "bytes_limit", "mem_get_info")
+    return total - memory_allocated(device), total
+
+
+def empty_cache() -> None:
+    """Nothing to release: XLA frees a buffer when its last array goes; this only waits for queued work."""
+    synchronize()
+
+
+def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
+    raise NotImplementedError("torch.tpu.reset_peak_memory_stats: XLA keeps its peak for the process's lifetime "
+                              "and PJRT offers no reset")
+
+
+reset_accumulated_memory_stats = reset_peak_memory_stats
+
+# PyTorch's names (torch.accelerator.memory_stats) for XLA's statistics
+_TORCH_STAT_NAMES = {"bytes_in_use": "allocated_bytes.all.current", "peak_bytes_in_use": "allocated_bytes.all.peak",
+                     "bytes_reserved": "reserved_bytes.all.current", "peak_bytes_reserved": "reserved_bytes.all.peak",
+                     "num_allocs": "allocation.all.allocated", "largest_alloc_size": "largest_alloc_size"}
+
+
+def accelerator_memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
+    """``torch.accelerator.memory_stats`` on tpu: XLA's statistics under PyTorch's names where one
+    exists (``allocated_bytes.all.current`` ...), and every XLA statistic as ``xla.<name>``."""
+    stats = memory_stats(device)
+    out = {_TORCH_STAT_NAMES[k]: int(v) for k, v in stats.items() if k in _TORCH_STAT_NAMES}
+    out.update({f"xla.{k}": v for k, v in stats.items()})
+    return dict(sorted(out.items()))
+
+
 get_amp_supported_dtype = _torch_tpu_autoload.get_amp_supported_dtype
 is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
 
