@@ -68,6 +68,19 @@ def test_accelerator_instance_and_registered_name():
     assert type(tt.accelerator) is cls and mt.seen == {"tpu:0"}
 
 
+def test_single_device_strategy_on_tpu():
+    """``strategy=SingleDeviceStrategy("tpu")`` with the default ``accelerator="auto"``."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    model = Regressor()
+    trainer = L.Trainer(strategy=SingleDeviceStrategy("tpu"), max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    assert type(trainer.accelerator) is accelerator_class("lightning.pytorch") and model.seen == {"tpu:0"}
+
+
 def test_more_than_one_device_is_named():
     with pytest.raises(NotImplementedError, match="devices=2"):
         L.Trainer(accelerator="tpu", devices=2, logger=False)

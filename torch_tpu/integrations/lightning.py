@@ -12,7 +12,9 @@ Two things Lightning decides from the accelerator's *name* rather than through t
 accelerator but cpu and mps. For our accelerator both are wrapped to give a plain
 ``SingleDeviceStrategy`` on ``tpu:0`` and autocast on "tpu"; every other accelerator keeps
 Lightning's choice. ``accelerator="auto"`` keeps Lightning's order (torch_xla, MPS, CUDA, CPU):
-there is no public way to join it, so a user writes ``accelerator="tpu"``.
+there is no public way to join it, so a user writes ``accelerator="tpu"``; only a strategy the
+user placed on tpu (``strategy=SingleDeviceStrategy("tpu")``) makes "auto" pick this accelerator,
+where Lightning would pick CPU and then reject the strategy's device.
 
 Installed by a post-import hook (``_torch_tpu_autoload``) when the connector module finishes
 importing; Lightning is never imported by torch_tpu itself.
@@ -118,6 +120,14 @@ def _wrap_connector(connector_module: types.ModuleType, prefix: str, cls: type) 
     precision_module = importlib.import_module(f"{prefix}.plugins.precision")
     choose_strategy = connector._choose_strategy
     init_precision = connector._check_and_init_precision
+    choose_auto = connector._choose_auto_accelerator  # a staticmethod: the plain function
+
+    def _choose_auto_accelerator(self: Any = None) -> str:
+        """``accelerator="auto"`` with a strategy the user put on tpu (``SingleDeviceStrategy("tpu")``)."""
+        device = getattr(getattr(self, "_strategy_flag", None), "_root_device", None)
+        if isinstance(device, torch.device) and device.type == "tpu":
+            return "torch_tpu"
+        return choose_auto()
 
     def _choose_strategy(self: Any) -> Any:
         if isinstance(getattr(self, "accelerator", None), cls) and self._num_nodes_flag == 1:
@@ -131,6 +141,7 @@ def _wrap_connector(connector_module: types.ModuleType, prefix: str, cls: type) 
         return plugin
 
     connector._choose_strategy = _choose_strategy
+    connector._choose_auto_accelerator = _choose_auto_accelerator
     connector._check_and_init_precision = _check_and_init_precision
     connector._torch_tpu = True
 
