@@ -123,19 +123,28 @@ state = {"accelerator": str(acc), "available": torch.tpu.is_available(),
 try:  # the truth, found by starting JAX on the requested platform
     import jax
     state["real"] = len(jax.devices()) > 0
-except RuntimeError:
+except Exception:  # RuntimeError, or an AssertionError for a platform with no plugin at all
     state["real"] = False
 print(json.dumps(state))
 """
 
 
-@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
 def test_availability_probe_does_not_start_jax(platform):
     """torch >= 2.14's ``init_process_group()`` calls ``current_accelerator(check_available=True)``
     before the XLA collectives path starts JAX's multi-controller runtime; starting a PJRT client
     there would make that impossible. The probe answers from the installed plugins, and its answer
-    is the one starting JAX gives (on this machine, a TPU exists only where libtpu does)."""
+    is the one starting JAX gives (a TPU exists only where libtpu is installed, a GPU only where
+    JAX's CUDA plugin is)."""
     s = run(_PROBE, TORCH_TPU_PLATFORM=platform)
     assert not s["started_by_probe"], s
     assert s["available"] == s["real"], s
     assert s["accelerator"] == ("tpu" if s["real"] else "None")
+
+
+def test_post_import_hooks_keep_the_module_loader():
+    """A hooked module (here inductor's compile_fx) keeps its own loader's services: its source."""
+    import torch._inductor.compile_fx as compile_fx
+
+    assert "def compile_fx" in compile_fx.__loader__.get_source(compile_fx.__name__)
+    assert compile_fx.__spec__.origin.endswith("compile_fx.py")
