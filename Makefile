@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check torch_tpu tests tools examples
+	$(BIN)/ruff check torch_tpu tests tools examples _torch_tpu_autoload.py
 	$(BIN)/python -m pytest tests
 	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests
 
@@ -61,7 +61,7 @@ coverage: $(STAMP)
 	$(BIN)/python tools/opinfo_coverage.py --write README.md --expect tests/opinfo_expected.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check torch_tpu tests tools examples
+	$(BIN)/ruff check torch_tpu tests tools examples _torch_tpu_autoload.py
 
 bench: $(STAMP)
 	$(BIN)/python -m torch_tpu.bench dispatch

@@ -1,7 +1,10 @@
 """TorchTPU: a native PyTorch backend for XLA devices (TPU, then GPU, then CPU).
 
-``import torch_tpu`` registers the ``tpu`` device. Tensors on it are plain ``torch.Tensor`` objects
-whose data are jax arrays; every ATen op is lowered once, to jax, in :mod:`torch_tpu.ops`.
+``import torch`` registers the ``tpu`` device through PyTorch's backend autoload (the light hook
+in :mod:`_torch_tpu_autoload`), and the first tpu op imports this package; ``import torch_tpu``
+does it explicitly (and is what registers the device when ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
+Tensors on it are plain ``torch.Tensor`` objects whose data are jax arrays; every ATen op is
+lowered once, to jax, in :mod:`torch_tpu.ops`.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import os
 
 import jax
-import torch
-import torch.distributed
+
+import _torch_tpu_autoload
 
 _PLATFORM = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
 if _PLATFORM:
@@ -35,6 +38,7 @@ from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse,
 _dispatch.register_lowerings()
 _dispatch.register_out_twins()
 _sparse.register()
+_torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
 _fallback.register()
 _host.install()
 _autocast.install()
@@ -51,19 +55,12 @@ from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 
 _cache.configure_persistent_cache()
-_device.check_autograd_engine()
+if not _torch_tpu_autoload.autoloaded():  # registered during ``import torch``, before any backward
+    _device.check_autograd_engine()
 _fused.step_boundary(get_eager_mode() is EagerMode.FUSED)
-
-
-def _c10d_group(store, rank: int, size: int, timeout):  # noqa: ANN001, ANN202
-    """Builds the ``tpu`` c10d process group; its module is imported on first use (import time matters)."""
-    from torch_tpu.distributed.c10d import TPUProcessGroup
-
-    return TPUProcessGroup(store, rank, size, timeout)
-
-
-if torch.distributed.is_available():  # ``dist.init_process_group("tpu")``; the tpu device's default backend
-    torch.distributed.Backend.register_backend("tpu", _c10d_group, devices=["tpu"])
+# the ``tpu`` c10d backend (``dist.init_process_group("tpu")``, and ``init_process_group()``'s default
+# for tpu) is registered by _device.register(), through _torch_tpu_autoload
+_torch_tpu_autoload.mark_initialized()
 
 
 def sync() -> None:

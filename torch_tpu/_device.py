@@ -12,7 +12,6 @@ not exist raises ``RuntimeError`` as CUDA does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import jax
 import torch
 
+import _torch_tpu_autoload
 from torch_tpu import _rng
 from torch_tpu.runtime.executor import synchronize as _synchronize
 
@@ -57,30 +57,10 @@ def check_index(index: int | None) -> int:
 
 
 # ------------------------------------------------------------------ the torch.cuda-like API
-def is_available() -> bool:
-    """Whether tpu tensors can be made, without starting JAX's runtime when it can be told cheaply.
-
-    ``torch.accelerator.current_accelerator(check_available=True)`` asks this, and from torch 2.14
-    ``init_process_group()`` does so before it creates the group. Starting JAX's backends here would
-    stop the group from joining JAX's multi-controller runtime (XLA collectives). XLA:CPU is always
-    there as the last platform, so unless ``jax_platforms`` rules it out the answer is yes; only a
-    restricted platform list needs the runtime to find out.
-    """
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
-        platforms = jax.config.jax_platforms
-        if not platforms or "cpu" in str(platforms).split(","):
-            return True
-    return len(_devices()) > 0
-
-
-def is_initialized() -> bool:
-    return True
-
-
-def _is_in_bad_fork() -> bool:
-    return False
+# answered without starting JAX (``init_process_group()`` asks before the multi-controller runtime starts)
+is_available = _torch_tpu_autoload.is_available
+is_initialized = _torch_tpu_autoload.is_initialized
+_is_in_bad_fork = _torch_tpu_autoload._is_in_bad_fork
 
 
 def device_count() -> int:
@@ -197,12 +177,57 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
     return int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
 
 
-def get_amp_supported_dtype() -> list[torch.dtype]:
-    return [torch.bfloat16, torch.float16]
+def _stat(device: int | str | torch.device | None, key: str, api: str) -> int:
+    stats = memory_stats(device)
+    if key not in stats:
+        raise RuntimeError(f"torch.tpu.{api}: the XLA {jax_device(_index_of(device)).platform} platform reports no "
+                           f"{key!r} (it reports {sorted(stats)})")
+    return int(stats[key])
 
 
-def is_bf16_supported() -> bool:
-    return True
+def memory_reserved(device: int | str | torch.device | None = None) -> int:
+    return _stat(device, "bytes_reserved", "memory_reserved")
+
+
+def max_memory_reserved(device: int | str | torch.device | None = None) -> int:
+    return _stat(device, "peak_bytes_reserved", "max_memory_reserved")
+
+
+def mem_get_info(device: int | str | torch.device | None = None) -> tuple[int, int]:
+    """(free, total) bytes, from XLA's allocator limit and what is in use."""
+    total = _stat(device, "bytes_limit", "mem_get_info")
+    return total - memory_allocated(device), total
+
+
+def empty_cache() -> None:
+    """Nothing to release: XLA frees a buffer when its last array goes; this only waits for queued work."""
+    synchronize()
+
+
+def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
+    raise NotImplementedError("torch.tpu.reset_peak_memory_stats: XLA keeps its peak for the process's lifetime "
+                              "and PJRT offers no reset")
+
+
+reset_accumulated_memory_stats = reset_peak_memory_stats
+
+# PyTorch's names (torch.accelerator.memory_stats) for XLA's statistics
+_TORCH_STAT_NAMES = {"bytes_in_use": "allocated_bytes.all.current", "peak_bytes_in_use": "allocated_bytes.all.peak",
+                     "bytes_reserved": "reserved_bytes.all.current", "peak_bytes_reserved": "reserved_bytes.all.peak",
+                     "num_allocs": "allocation.all.allocated", "largest_alloc_size": "largest_alloc_size"}
+
+
+def accelerator_memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
+    """``torch.accelerator.memory_stats`` on tpu: XLA's statistics under PyTorch's names where one
+    exists (``allocated_bytes.all.current`` ...), and every XLA statistic as ``xla.<name>``."""
+    stats = memory_stats(device)
+    out = {_TORCH_STAT_NAMES[k]: int(v) for k, v in stats.items() if k in _TORCH_STAT_NAMES}
+    out.update({f"xla.{k}": v for k, v in stats.items()})
+    return dict(sorted(out.items()))
+
+
+get_amp_supported_dtype = _torch_tpu_autoload.get_amp_supported_dtype
+is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
 
 
 from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
@@ -215,83 +240,16 @@ from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: ca
 )
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, dev_id: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-_PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
-# Any C function called through ctypes.pythonapi: after the call ctypes raises the pending Python
-# error, if one is set, which is how ``_Guard.type_`` takes it over.
-_PROBE = ctypes.pythonapi.Py_GetRecursionLimit
-_lost: list[BaseException] = []
-
-
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        """PyTorch's Python device guard asks this for the device type, also from ``noexcept``
-        destructors (a stream guard in the autograd engine). When a ``__torch_dispatch__`` mode
-        (fake tensors: AOTAutograd tracing a backward) raises inside a backward node, torch unwinds
-        with the Python error still pending; calling Python then fails, and the failure inside a
-        ``noexcept`` function is ``std::terminate``: the process aborted. The pending error is taken
-        here instead and kept (:func:`take_lost_exception`); the engine then raises a
-        ``SystemError`` that the caller can replace with it."""
-        try:
-            _PROBE()
-        except BaseException as e:  # the pending error, now raised and caught: nothing pending
-            _lost.append(e)
-            del _lost[:-4]
-        return _PRIVATEUSE1
-
-
 def take_lost_exception() -> BaseException | None:
-    """The last exception :meth:`_Guard.type_` took over from an unwinding backward, or None."""
-    e = _lost[-1] if _lost else None
-    _lost.clear()
-    return e
+    """The last exception the device guard took over from an unwinding backward, or None
+    (:class:`_torch_tpu_autoload._Guard`)."""
+    return _torch_tpu_autoload.take_lost_exception()
 
 
 def register() -> None:
-    """Renames PrivateUse1 to ``tpu`` and installs this module as ``torch.tpu``."""
-    import sys
-
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    _setup_privateuseone_for_python_backend(
-        "tpu", backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_Guard()
-    )
-    _register_pinning()
-
-
-_pinning_lib: list[torch.library.Library] = []
-
-
-def _register_pinning() -> None:
-    """``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` for tpu, the current accelerator.
-
-    Pinned (page-locked) host memory lets CUDA copy a batch asynchronously. PyTorch asks the
-    backend's C++ hooks for a pinned allocator, which a Python backend cannot provide, so without
-    this every ``pin_memory=True`` loader (a line many CUDA scripts carry) would raise. XLA copies
-    host buffers into its own memory when they move to the device, so pinning for tpu returns an
-    ordinary contiguous copy. Pinning for another device type goes on to PyTorch's own kernel."""
-    lib = torch.library.Library("aten", "IMPL")
-    composite = torch._C.DispatchKey.CompositeExplicitAutograd
-    pin = torch.ops.aten._pin_memory.default
-
-    def pin_memory(self: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-        target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
-        if target is not None and target.type == "tpu":
-            return self.clone(memory_format=torch.contiguous_format)
-        return pin._op_dk(composite, self, device)
-
-    lib.impl("_pin_memory", pin_memory, "CPU")
-    _pinning_lib.append(lib)
+    """Renames PrivateUse1 to ``tpu`` and installs ``torch.tpu`` (done by the light autoload hook,
+    :mod:`_torch_tpu_autoload`, when ``import torch`` ran it; idempotent)."""
+    _torch_tpu_autoload.register()
 
 
 class _EngineProbe(torch.autograd.Function):
