@@ -164,7 +164,7 @@ class _OpKernel:
         try:
             metas = meta_outputs(self.op, args, kwargs)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
-            raise _named(e, f"{self.name}({sig})") from e
+            executor.raise_named(e, f"{self.name}({sig})")
         if self.kind == "inplace":
             metas = list(_meta(args[0])) if isinstance(args[0], (list, tuple)) else [_meta(args[0])]
         avals = [(tuple(m.shape), m.dtype) for m in metas]
@@ -247,14 +247,6 @@ class _OpKernel:
         if self.single:
             return tensors[0]
         return tensors if self.returns_list else tuple(tensors)
-
-
-def _named(e: Exception, where: str) -> Exception:
-    """The same exception type, its message prefixed with the op and signature."""
-    try:
-        return type(e)(f"{where}: {e}")
-    except Exception:
-        return e
 
 
 def _describe(s: Any) -> str:
