@@ -177,6 +177,8 @@ def _check_index_args(self: torch.Tensor, indices: list, op: str) -> None:
         if ind.dtype in (torch.bool, torch.uint8):
             dim += ind.dim()
             continue
+        if ind.dtype.is_floating_point or ind.dtype.is_complex:  # meta kernel: a RuntimeError
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
         if dim < self.dim():
             check_bounds(op, ind, self.shape[dim], dim, IndexError, negative=True)
         dim += 1
@@ -198,9 +200,6 @@ def _expand_masks(self: torch.Tensor, indices: list) -> tuple[torch.Tensor, list
             out.append(ind)
             dim += 1
             continue
-        if ind.dtype == torch.uint8:  # CPU's deprecation, once per mask; stacklevel: the user's line
-            warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
-                          "instead.", UserWarning, stacklevel=4)
         if ind.dim() == 0:
             self = self.unsqueeze(dim)
             ind = ind.reshape(1)
@@ -233,6 +232,10 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
 
     def run(self, indices, *args, **kwargs):
         indices = list(indices)
+        for i in indices:
+            if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
+                warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
+                              "instead.", UserWarning, stacklevel=3)  # the user's line (via kernel()'s wrapper)
         if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
             values = args[0] if args else kwargs["values"]
             mask = indices[0]

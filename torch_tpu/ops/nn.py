@@ -889,7 +889,10 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
             jnp.where(vals == best[offset2bag], pos, indices.shape[0])
         )
         nonempty = bag_size[:n_bags, None] > 0
-        max_indices = jnp.where(nonempty, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
+        if indices.shape[0] == 0:  # no index at all: every bag is empty (a gather from nothing fails)
+            max_indices = jnp.zeros(best.shape, jnp.int64)
+        else:
+            max_indices = jnp.where(nonempty, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
         out = jnp.where(nonempty, best, 0)
     else:
         summed = keep
@@ -903,7 +906,19 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
 
 
 def _check_bag(weight, indices, offsets, *rest, **kw):
-    _check_embedding(weight, indices)
+    """CPU's RuntimeErrors of embedding_bag (its kernel's, not embedding's IndexError): an index
+    out of range, and 1-d offsets that don't start at 0 or point past the input."""
+    n = weight.shape[0]
+    checks.check_values(indices, checks.outside, (0, n), lambda v, at: RuntimeError(
+        f"Index {at} of input takes value {v} which is not in the valid range [0, {n})"), position=True)
+    if indices.dim() != 1 or offsets.dim() != 1 or offsets.numel() == 0:
+        return  # 2-d input has no offsets; the meta kernel rejects other shapes
+    length = indices.shape[0]
+    checks.check_values(offsets[:1], checks.outside, (0, 1), lambda v: RuntimeError(
+        f"offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from position 0. "
+        f"However, got {v}"))
+    checks.check_values(offsets[-1:], checks.outside_closed, (0, length), lambda v: RuntimeError(
+        f"offsets[-1] can not be greater than input's length {length} but got offsets[-1] of {v}"))
 
 
 lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, check=_check_bag)(_embedding_bag)
