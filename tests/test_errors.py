@@ -220,3 +220,21 @@ def test_uint8_mask_warns_as_on_cpu():
         found = [x for x in w if "indexing with dtype torch.uint8 is now deprecated" in str(x.message)]
         assert len(found) == 2, (d, [str(x.message) for x in w])
         assert all(x.filename == __file__ for x in found)  # at the user's line
+
+
+@pytest.mark.parametrize("op", [
+    lambda x, out: torch.nonzero(x, out=out),
+    lambda x, out: torch.masked_select(x, x > 0, out=out),
+])
+def test_out_on_the_cpu_is_refused_as_on_cuda(op):
+    x = torch.randint(2, (3, 4), device="tpu")
+    with pytest.raises(RuntimeError, match="on the same device"):
+        op(x, torch.empty(0, dtype=torch.long))
+
+
+def test_clamp_out_twin_keeps_the_bounds_check():
+    x = torch.arange(6, device="tpu")
+    out = torch.empty(0, dtype=torch.long, device="tpu")
+    assert torch.clamp(x, 1, 3, out=out).cpu().tolist() == [1, 1, 2, 3, 3, 3]
+    with pytest.raises(RuntimeError, match="At least one of 'min' or 'max' must not be None"):
+        torch.clamp(x, out=out)

@@ -143,6 +143,25 @@ def test_view_dtype_to_and_from_bool_and_complex_like_cpu():
         torch.tensor(1.0, device="tpu").view(torch.complex128)
 
 
+def test_view_dtype_shares_the_storage_like_cpu():
+    """view(dtype) is a view: a write through it changes the base's bits, and the other way round,
+    also for a slice (its storage offset in the new element size) and a complex view."""
+    results = []
+    for d in ("cpu", "tpu"):
+        a = torch.arange(12.0, device=d).reshape(3, 4)
+        halves = a[1:].view(torch.int16)
+        assert halves.storage_offset() == 8
+        halves[0, 1] = 0x4000  # the high half of a[1, 0]: 2.0
+        pairs = a.view(torch.complex64)
+        pairs[2, 1] = 7 + 8j
+        a[0, 0] = -1.0
+        flags = a.view(torch.uint8)[:4].view(torch.bool)  # bytes 0/1 of a float read as bools
+        results.append((a.cpu(), halves.cpu(), pairs.cpu(), flags.shape))
+    for tpu_value, cpu_value in zip(results[1][:3], results[0][:3]):
+        torch.testing.assert_close(tpu_value, cpu_value, rtol=0, atol=0)
+    assert results[1][3] == results[0][3]
+
+
 def test_view_dtype_error_names_the_storage_offset_of_a_slice():
     """A slice keeps its storage offset, so view(dtype) reports the offset as CPU does."""
     for d in ("cpu", "tpu"):

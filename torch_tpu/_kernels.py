@@ -191,44 +191,18 @@ def _as_strided_(t: torch.Tensor, size, stride, storage_offset=None) -> torch.Te
     return t
 
 
-@kernel(aten.view.dtype)
+@kernel(aten.view.dtype, fusable=True)
 def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A bit reinterpretation cannot share a typed array: it is a copy, with a clear note in the docs.
+    """A true view, as view_as_real is: torch's own kernel gives the geometry (and CPU's errors,
+    naming storage_offset for a slice) over the same storage; reads and writes reinterpret the
+    storage's bits (``_storage._alias_geometry``)."""
     if dtype == t.dtype:
         return t
-    # torch's meta kernel checks the geometry as CPU does, on a meta tensor at t's storage offset
-    # (its errors name the offset, as CPU's do)
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-    meta = torch.empty(t.storage_offset() + extent, dtype=t.dtype, device="meta")
-    meta = meta.as_strided(t.shape, t.stride(), t.storage_offset()).view(dtype)
-    out = _reinterpret(read_array(t), _dtypes.to_jax(t.dtype), dtype)
-    return new_tensor(tuple(meta.shape), dtype, out.reshape(meta.shape))
+    metrics.op_counts["aten.view.dtype"] += 1
+    return aten.view.dtype._op_dk(_VIEW_DTYPE_KEY, t, dtype)
 
 
-def _reinterpret(src: Any, a: Any, dtype: torch.dtype) -> Any:
-    """The bits of ``src`` (jax dtype ``a``) read as ``dtype``, the last dim rescaled by the ratio of
-    the element sizes. bitcast_convert_type knows neither bool nor complex: a bool is one byte
-    holding 0 or 1, a complex is its (real, imaginary) pair of reals."""
-    if a == jnp.bool_:
-        src, a = src.astype(jnp.uint8), np.dtype(np.uint8)
-    elif jnp.issubdtype(a, jnp.complexfloating):
-        src = jnp.stack([jnp.real(src), jnp.imag(src)], axis=-1).reshape(*src.shape[:-1], -1)
-        a = src.dtype
-    part = torch.uint8 if dtype == torch.bool else dtype.to_real() if dtype.is_complex else dtype
-    b = _dtypes.to_jax(part)
-    if a.itemsize == b.itemsize:
-        out = jax.lax.bitcast_convert_type(src, b)
-    elif a.itemsize > b.itemsize:
-        out = jax.lax.bitcast_convert_type(src, b).reshape(*src.shape[:-1], -1)
-    else:
-        k = b.itemsize // a.itemsize
-        out = jax.lax.bitcast_convert_type(src.reshape(*src.shape[:-1], src.shape[-1] // k, k), b)
-    if dtype == torch.bool:
-        return out != 0
-    if dtype.is_complex:
-        pairs = out.reshape(*out.shape[:-1], -1, 2)
-        return jax.lax.complex(pairs[..., 0], pairs[..., 1])
-    return out
+_VIEW_DTYPE_KEY = view_dispatch_key(aten.view.dtype)
 
 
 # --------------------------------------------------------------------------- storage surgery

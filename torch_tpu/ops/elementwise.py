@@ -293,7 +293,7 @@ def _clamp(x, lo, hi):
     return x
 
 
-def _check_clamp(self, min=None, max=None) -> None:  # noqa: A002
+def _check_clamp(self, min=None, max=None, **out) -> None:  # noqa: A002
     """CPU's error for a clamp without bounds: torch's Python meta kernel raises a ValueError."""
     if min is None and max is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")

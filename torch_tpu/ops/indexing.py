@@ -21,7 +21,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import _OpKernel, kernel
+from torch_tpu._dispatch import _OpKernel, device_mismatch, kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
 from torch_tpu.runtime import checks
@@ -478,6 +478,8 @@ def _masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @kernel(aten.masked_select.out)
 def _masked_select_out(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not is_tpu(out):
+        raise device_mismatch("aten.masked_select.out", out.device)
     if out.dtype != self.dtype:  # no cast into out=, as on CPU
         raise RuntimeError("masked_select(): self and result must have the same scalar type")
     res = _masked_select(self, mask)
@@ -500,6 +502,8 @@ def _nonzero(self: torch.Tensor) -> torch.Tensor:
 
 @kernel(aten.nonzero.out)
 def _nonzero_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not is_tpu(out):
+        raise device_mismatch("aten.nonzero.out", out.device)
     if out.dtype != torch.int64:  # indices are int64, and CPU casts none into out=
         raise RuntimeError(f"nonzero: Expected out tensor to have scalar type Long but got scalar type"
                            f"{_dtypes.SCALAR_NAMES.get(out.dtype, out.dtype)}")
