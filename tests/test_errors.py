@@ -127,10 +127,17 @@ _W = torch.randn(10, 3)
         lambda d: _F.embedding_bag(torch.tensor([1, 20], device=d), _W.to(d), torch.tensor([0], device=d)),
         lambda d: _F.embedding_bag(torch.tensor([1, 2], device=d), _W.to(d), torch.tensor([1], device=d)),
         lambda d: _F.embedding_bag(torch.tensor([1, 2], device=d), _W.to(d), torch.tensor([0, 3], device=d)),
+        lambda d: _F.embedding_bag(torch.tensor([[-1, 1]], device=d), _W.to(d), padding_idx=0),
+        lambda d: torch._embedding_bag(_W.to(d), torch.ones(2, 1, 3, dtype=torch.long, device=d),
+                                       torch.zeros(2, dtype=torch.long, device=d)),
+        lambda d: torch._embedding_bag(_W.to(d), torch.ones(2, dtype=torch.long, device=d),
+                                       torch.zeros(1, 2, dtype=torch.long, device=d)),
+        lambda d: _F.embedding(torch.zeros(2, 2, dtype=torch.long, device=d), torch.tensor(1.0, device=d)),
     ],
     ids=["clamp-no-bounds", "nonzero-out-float", "masked_select-out-dtype", "index-broadcast",
          "float-index", "index-size0-dim", "index_put-value-shape", "embedding_bag-range",
-         "embedding_bag-offsets0", "embedding_bag-offsets-last"],
+         "embedding_bag-offsets0", "embedding_bag-offsets-last", "embedding_bag-padded-range",
+         "embedding_bag-input-dims", "embedding_bag-offsets-dims", "embedding-weight-dims"],
 )
 def test_lowering_and_kernel_errors_have_cpu_type_and_message(f):
     """CPU's type where a lowering, torch's Python meta kernel or JAX would raise another one
