@@ -61,7 +61,7 @@ def test_lowering_failure_names_the_op(monkeypatch):
     from torch_tpu import _dispatch
 
     kernel = _dispatch._OpKernel(op, _registry.Lowering(broken), "functional")
-    with pytest.raises(RuntimeError, match=r"aten\.neg\.default\(float32\[2\]\).* failed: ValueError: boom"):
+    with pytest.raises(ValueError, match=r"aten\.neg\.default\(float32\[2\]\).*: boom"):  # its own type
         kernel(torch.ones(2, device="tpu")).cpu()  # in fused mode the error surfaces at the sync
     assert lowering.fn is not broken
 
@@ -99,3 +99,149 @@ def test_index_check_on_device_values(mode):
                 out.sum().item()
         ok = torch.nn.functional.embedding(idx - 1, w)  # a failed check is reported once
         torch.testing.assert_close(ok.cpu(), w.cpu()[6:10])
+
+
+def _raised(f, device):
+    try:
+        f(device)
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return e
+    raise AssertionError(f"no error on {device}")
+
+
+_F = torch.nn.functional
+_W = torch.randn(10, 3)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda d: torch.ones(3, device=d).clamp(),  # torch's Python meta kernel raises ValueError
+        lambda d: torch.nonzero(torch.ones(3, device=d), out=torch.empty(0, device=d)),
+        lambda d: torch.masked_select(torch.ones(3, device=d), torch.ones(3, device=d) > 0,
+                                      out=torch.empty(0, dtype=torch.long, device=d)),
+        lambda d: torch.randn(5, 5, device=d)[torch.tensor([0, 1], device=d), torch.tensor([0, 1, 2], device=d)],
+        lambda d: torch.arange(3, device=d)[torch.tensor([], device=d)],  # a float index
+        lambda d: torch.empty(10, 0, device=d)[:, [0, 1]],
+        lambda d: torch.rand((), device=d).index_put([], torch.tensor([1.0], device=d), True),
+        lambda d: _F.embedding_bag(torch.tensor([1, 20], device=d), _W.to(d), torch.tensor([0], device=d)),
+        lambda d: _F.embedding_bag(torch.tensor([1, 2], device=d), _W.to(d), torch.tensor([1], device=d)),
+        lambda d: _F.embedding_bag(torch.tensor([1, 2], device=d), _W.to(d), torch.tensor([0, 3], device=d)),
+        lambda d: _F.embedding_bag(torch.tensor([[-1, 1]], device=d), _W.to(d), padding_idx=0),
+        lambda d: torch._embedding_bag(_W.to(d), torch.ones(2, 1, 3, dtype=torch.long, device=d),
+                                       torch.zeros(2, dtype=torch.long, device=d)),
+        lambda d: torch._embedding_bag(_W.to(d), torch.ones(2, dtype=torch.long, device=d),
+                                       torch.zeros(1, 2, dtype=torch.long, device=d)),
+        lambda d: _F.embedding(torch.zeros(2, 2, dtype=torch.long, device=d), torch.tensor(1.0, device=d)),
+    ],
+    ids=["clamp-no-bounds", "nonzero-out-float", "masked_select-out-dtype", "index-broadcast",
+         "float-index", "index-size0-dim", "index_put-value-shape", "embedding_bag-range",
+         "embedding_bag-offsets0", "embedding_bag-offsets-last", "embedding_bag-padded-range",
+         "embedding_bag-input-dims", "embedding_bag-offsets-dims", "embedding-weight-dims"],
+)
+def test_lowering_and_kernel_errors_have_cpu_type_and_message(f):
+    """CPU's type where a lowering, torch's Python meta kernel or JAX would raise another one
+    (RuntimeError for embedding_bag, IndexError for indexing), and CPU's words in the message."""
+    cpu, tpu = _raised(f, "cpu"), _raised(f, "tpu")
+    assert type(tpu) is type(cpu), (type(tpu), tpu)
+    first = str(cpu).split("\n")[0]
+    assert first in str(tpu), (first, str(tpu))
+
+
+def test_error_inside_a_lowering_keeps_its_type_and_names_the_op():
+    """A JAX error while tracing a lowering is not re-raised as RuntimeError('tpu: ... failed')."""
+    from torch_tpu import _dispatch
+    from torch_tpu.ops import _registry
+
+    def bad(self):
+        raise IndexError("lowering's own check")
+
+    kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
+    with pytest.raises(IndexError, match=r"^aten\.neg\.default\(float32\[3\]\): lowering's own check") as e:
+        kernel(torch.ones(3, device="tpu")).cpu()
+    assert isinstance(e.value.__cause__, IndexError)  # the lowering's traceback is kept
+
+
+class _NotOurs(Exception):
+    """An exception class of the caller's (a test harness's timeout raised by a signal handler)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def test_foreign_exceptions_pass_through_untouched():
+    from torch_tpu import _dispatch
+    from torch_tpu.ops import _registry
+
+    raised = _NotOurs(7)
+
+    def bad(self):
+        raise raised
+
+    kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
+    with pytest.raises(_NotOurs) as e:
+        kernel(torch.ones(4, device="tpu")).cpu()
+    assert e.value is raised and e.value.code == 7 and str(e.value) == "7"
+
+
+def test_embedding_bag_device_check_names_the_position():
+    """Indices computed on the device: the check runs with the step; the error is CPU's, raised at
+    the next host read (at the op in debug mode)."""
+    w = torch.randn(10, 3, device="tpu")
+    idx = torch.arange(4, device="tpu") * 3 + 1  # 1 4 7 10: position 3 is out of range
+    out = _F.embedding_bag(idx, w, torch.tensor([0], device="tpu"))
+    with pytest.raises(RuntimeError, match=r"Index 3 of input takes value 10 which is not in the valid range"):
+        out.cpu()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_on_empty_input_like_cpu(mode):
+    for idx, off in (([], [0, 0]), ([1, 2], [0, 0, 2])):
+        outs = [
+            _F.embedding_bag(torch.tensor(idx, dtype=torch.long, device=d), _W.to(d), torch.tensor(off, device=d),
+                             mode=mode).cpu()
+            for d in ("cpu", "tpu")
+        ]
+        torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_bool_index_put_accumulate_is_an_or():
+    for d in ("cpu", "tpu"):
+        t = torch.tensor([False, True, False], device=d)
+        t.index_put_((torch.tensor([0, 0, 1], device=d),), torch.tensor([True, False, True], device=d),
+                     accumulate=True)
+        assert t.cpu().tolist() == [True, True, False]
+
+
+def test_uint8_mask_warns_as_on_cpu():
+    import warnings
+
+    for d in ("cpu", "tpu"):
+        v = torch.randn(5, 2, device=d)
+        mask = torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8, device=d)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            v[mask]
+            v[mask] = torch.ones(3, 2, device=d)  # (a number goes to masked_fill_ on CPU, which refuses)
+        found = [x for x in w if "indexing with dtype torch.uint8 is now deprecated" in str(x.message)]
+        assert len(found) == 2, (d, [str(x.message) for x in w])
+        assert all(x.filename == __file__ for x in found)  # at the user's line
+
+
+@pytest.mark.parametrize("op", [
+    lambda x, out: torch.nonzero(x, out=out),
+    lambda x, out: torch.masked_select(x, x > 0, out=out),
+])
+def test_out_on_the_cpu_is_refused_as_on_cuda(op):
+    x = torch.randint(2, (3, 4), device="tpu")
+    with pytest.raises(RuntimeError, match="on the same device"):
+        op(x, torch.empty(0, dtype=torch.long))
+
+
+def test_clamp_out_twin_keeps_the_bounds_check():
+    x = torch.arange(6, device="tpu")
+    out = torch.empty(0, dtype=torch.long, device="tpu")
+    assert torch.clamp(x, 1, 3, out=out).cpu().tolist() == [1, 1, 2, 3, 3, 3]
+    with pytest.raises(RuntimeError, match="At least one of 'min' or 'max' must not be None"):
+        torch.clamp(x, out=out)

@@ -163,3 +163,79 @@ def test_storage_free_and_realloc_without_swap(monkeypatch):
         assert st._jx is None and st.size() == 32
     with pytest.raises(NotImplementedError, match="torch >= 2.13"):
         st.resize_(16)
+
+
+_VIEW_DTYPES = [torch.bool, torch.uint8, torch.int16, torch.float32, torch.int64, torch.bfloat16,
+                torch.complex64, torch.complex128]
+
+
+def _sample(dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(-50, 50, shape).to(dtype)
+
+
+def test_view_dtype_to_and_from_bool_and_complex_like_cpu():
+    """The same bits as CPU reads them (bool is a byte of 0 or 1; a complex is its two reals),
+    with CPU's shapes; and CPU's error where the sizes don't fit."""
+    for src in _VIEW_DTYPES:
+        c = _sample(src, (3, 16))
+        t = c.to("tpu")
+        for dst in _VIEW_DTYPES:
+            if dst == torch.bool and src != torch.bool:  # other bytes than 0/1 are not bools
+                continue
+            expected = c.view(dst)
+            got = t.view(dst)
+            assert got.shape == expected.shape and got.dtype == dst
+            torch.testing.assert_close(got.cpu(), expected, equal_nan=True, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"self.dim\(\) cannot be 0"):
+        torch.tensor(1.0, device="tpu").view(torch.complex128)
+
+
+def test_view_dtype_shares_the_storage_like_cpu():
+    """view(dtype) is a view: a write through it changes the base's bits, and the other way round,
+    also for a slice (its storage offset in the new element size) and a complex view."""
+    results = []
+    for d in ("cpu", "tpu"):
+        a = torch.arange(12.0, device=d).reshape(3, 4)
+        halves = a[1:].view(torch.int16)
+        assert halves.storage_offset() == 8
+        halves[0, 1] = 0x4000  # the high half of a[1, 0]: 2.0
+        pairs = a.view(torch.complex64)
+        pairs[2, 1] = 7 + 8j
+        a[0, 0] = -1.0
+        flags = a.view(torch.uint8)[:4].view(torch.bool)  # bytes 0/1 of a float read as bools
+        results.append((a.cpu(), halves.cpu(), pairs.cpu(), flags.shape))
+    for tpu_value, cpu_value in zip(results[1][:3], results[0][:3]):
+        torch.testing.assert_close(tpu_value, cpu_value, rtol=0, atol=0)
+    assert results[1][3] == results[0][3]
+
+
+def test_view_dtype_error_names_the_storage_offset_of_a_slice():
+    """A slice keeps its storage offset, so view(dtype) reports the offset as CPU does."""
+    for d in ("cpu", "tpu"):
+        a = torch.zeros(4, 4, 5, device=d)
+        assert a[:, :, 1:].storage_offset() == 1
+        with pytest.raises(RuntimeError, match=r"self.storage_offset\(\) must be divisible by 2"):
+            a[:, :, 1:].view(torch.complex64)
+
+
+def test_copies_and_views_like_cpu():
+    """Where CPU copies (reshape of a non-contiguous tensor, a[True]), a write into the result
+    leaves the source alone; where CPU makes a view, it writes through. (data_ptr() is 0 for every
+    tpu storage, so the tests compare behaviour, not pointers: docs/porting.md.)"""
+    results = []
+    for d in ("cpu", "tpu"):
+        a = torch.arange(24.0, device=d).reshape(4, 6)
+        copied = a.t().reshape(24)
+        copied[0] = 100.0
+        picked = a[True]
+        picked[0, 0, 1] = 55.0
+        viewed = a.reshape(2, 12)
+        viewed[0, 2] = -1.0
+        results.append((a.cpu(), copied._is_view(), picked._is_view(), viewed._is_view()))
+    (ca, *cflags), (ta, *tflags) = results
+    assert tflags == cflags == [False, False, True]
+    torch.testing.assert_close(ta, ca)

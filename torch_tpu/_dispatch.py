@@ -169,7 +169,7 @@ class _OpKernel:
         try:
             metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
-            raise _named(e, f"{self.name}({sig})") from e
+            executor.raise_named(e, f"{self.name}({sig})")
         if self.kind == "inplace":
             metas = list(_meta(args[0])) if isinstance(args[0], (list, tuple)) else [_meta(args[0])]
         avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
@@ -251,14 +251,6 @@ class _OpKernel:
 
 def _own(value: Any, dtype: torch.dtype) -> torch.Tensor:
     return new_tensor(tuple(value.shape), dtype, value)
-
-
-def _named(e: Exception, where: str) -> Exception:
-    """The same exception type, its message prefixed with the op and signature."""
-    try:
-        return type(e)(f"{where}: {e}")
-    except Exception:
-        return e
 
 
 def _describe(s: Any) -> str:

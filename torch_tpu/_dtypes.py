@@ -31,6 +31,14 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
 JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
 
 
+# c10's names of the scalar types, which CPU's error messages use ("expected scalar type Long")
+SCALAR_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+
+
 def to_jax(dtype: torch.dtype) -> np.dtype:
     """The jax dtype for a torch dtype, or a TypeError that names the dtype."""
     try:

@@ -239,7 +239,50 @@ def _alias_geometry(base_shape, base_dtype, view_dtype):
             lambda b: lax.complex(*jnp.moveaxis(b.reshape(n // 2, 2), -1, 0)),
             lambda v: jnp.stack([jnp.real(v), jnp.imag(v)], axis=-1).reshape(base_shape),
         )
-    raise RuntimeError(f"tpu: a {view_dtype} tensor cannot view a {base_dtype} storage")
+    # any other pair (view(dtype)): the storage's bytes, flat, read as view_dtype; a storage whose
+    # size in bytes is no multiple of the view's element is padded with zero bytes, then cut back
+    a, b = _dtypes.to_jax(base_dtype), _dtypes.to_jax(view_dtype)
+    n = math.prod(base_shape)
+    nbytes = n * a.itemsize
+    count = -(-nbytes // b.itemsize)
+    pad = count * b.itemsize - nbytes
+
+    def to_view(base: Any) -> Any:
+        raw = to_bytes(base.reshape(-1), a)
+        if pad:
+            raw = jnp.concatenate([raw, jnp.zeros((pad,), jnp.uint8)])
+        return from_bytes(raw, b)
+
+    def from_view(v: Any) -> Any:
+        raw = to_bytes(v, b)
+        return from_bytes(raw[:nbytes] if pad else raw, a).reshape(base_shape)
+
+    return (count,), b, to_view, from_view
+
+
+def to_bytes(flat: Any, dtype: Any) -> Any:
+    """A flat array's bits as uint8, in memory order (XLA's bitcast knows neither bool nor complex:
+    a bool is one byte of 0 or 1, a complex its real then imaginary part)."""
+    if dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        flat = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
+    if flat.dtype.itemsize == 1:
+        return lax.bitcast_convert_type(flat, jnp.uint8)
+    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+
+
+def from_bytes(raw: Any, dtype: Any) -> Any:
+    """The inverse of :func:`to_bytes`: uint8 bits read as a flat array of ``dtype``."""
+    if dtype == jnp.bool_:
+        return raw != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        part = jnp.real(jnp.zeros((), dtype)).dtype
+        pairs = from_bytes(raw, part).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(raw, dtype)
+    return lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -293,7 +293,13 @@ def _clamp(x, lo, hi):
     return x
 
 
-@lower(aten.clamp.default, aten.clamp.Tensor)
+def _check_clamp(self, min=None, max=None, **out) -> None:  # noqa: A002
+    """CPU's error for a clamp without bounds: torch's Python meta kernel raises a ValueError."""
+    if min is None and max is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+
+
+@lower(aten.clamp.default, aten.clamp.Tensor, check=_check_clamp)
 def clamp(self, min=None, max=None):  # noqa: A002
     x, lo, hi = _common(self, min, max)
     return _clamp(x, lo, hi)

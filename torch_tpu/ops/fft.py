@@ -170,16 +170,9 @@ def conj_physical_(self):
 
 
 
-_SCALAR_NAMES = {
-    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-}
-
-
 def _check_parts(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> None:
     """CPU's dtype checks for ``complex``/``polar``, which their meta kernels do not make."""
-    na, nb = (_SCALAR_NAMES.get(t.dtype, str(t.dtype)) for t in (a, b))
+    na, nb = (_dtypes.SCALAR_NAMES.get(t.dtype, str(t.dtype)) for t in (a, b))
     floats = (torch.float16, torch.float32, torch.float64)
     if a.dtype not in floats or b.dtype not in floats:
         raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got {na} and {nb}")

@@ -11,14 +11,17 @@ the host (one sync) and then run the ordinary lowering.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu._dispatch import _OpKernel, kernel
+from torch_tpu import _dtypes
+from torch_tpu._dispatch import _OpKernel, device_mismatch, kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
 from torch_tpu.runtime import checks
@@ -47,7 +50,10 @@ def check_bounds(
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         return  # the meta kernel raises CPU's dtype error
     lo_ok = -size if negative else 0
-    error = lambda v: exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
+    if size == 0:  # CPU's message names no index and no dim then
+        error = lambda v: exc(f"{op}: index is out of bounds for dimension with size 0")
+    else:
+        error = lambda v: exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
     if is_tpu(index):
         checks.check_values(index, checks.outside, (lo_ok, size), error)
         return
@@ -128,9 +134,19 @@ def _index(self, indices):
 
 
 def _index_put(self, indices, values, accumulate=False, unsafe=False):
-    ref = self.at[_key(indices)]
+    key = _key(indices)
+    target = tuple(jax.eval_shape(lambda s, ix: s[_key(ix)], self, list(indices)).shape)
+    vshape = tuple(values.shape)  # (a[i] = v drops v's leading 1s before it calls index_put)
+    if len(vshape) > len(target) or any(v not in (1, t) for v, t in zip(reversed(vshape), reversed(target))):
+        raise RuntimeError(
+            f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to indexing "
+            f"result of shape {list(target)}"
+        )
+    ref = self.at[key]
     values = values.astype(self.dtype)
-    return ref.add(values) if accumulate else ref.set(values)
+    if not accumulate:
+        return ref.set(values)
+    return ref.max(values) if self.dtype == jnp.bool_ else ref.add(values)  # a bool sum is an or
 
 
 def _mask_put(self, indices, values, accumulate=False, unsafe=False):
@@ -142,7 +158,17 @@ def _mask_put(self, indices, values, accumulate=False, unsafe=False):
 
 
 def _check_index_args(self: torch.Tensor, indices: list, op: str) -> None:
-    """Bounds of integer indices (negative ones count from the end, as on CPU)."""
+    """Bounds of integer indices (negative ones count from the end, as on CPU), and CPU's
+    IndexError for index tensors that don't broadcast (torch's meta kernel raises a RuntimeError)."""
+    shapes = [ind.shape for ind in indices if ind is not None]
+    if len(shapes) > 1:
+        try:
+            torch.broadcast_shapes(*shapes)
+        except RuntimeError:
+            text = ", ".join(str(list(s)) for s in shapes)
+            raise IndexError(
+                f"shape mismatch: indexing tensors could not be broadcast together with shapes {text}"
+            ) from None
     dim = 0
     for ind in indices:
         if ind is None:
@@ -151,6 +177,8 @@ def _check_index_args(self: torch.Tensor, indices: list, op: str) -> None:
         if ind.dtype in (torch.bool, torch.uint8):
             dim += ind.dim()
             continue
+        if ind.dtype.is_floating_point or ind.dtype.is_complex:  # meta kernel: a RuntimeError
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
         if dim < self.dim():
             check_bounds(op, ind, self.shape[dim], dim, IndexError, negative=True)
         dim += 1
@@ -204,6 +232,10 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
 
     def run(self, indices, *args, **kwargs):
         indices = list(indices)
+        for i in indices:
+            if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
+                warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
+                              "instead.", UserWarning, stacklevel=3)  # the user's line (via kernel()'s wrapper)
         if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
             values = args[0] if args else kwargs["values"]
             mask = indices[0]
@@ -458,6 +490,10 @@ def _masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @kernel(aten.masked_select.out)
 def _masked_select_out(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not is_tpu(out):
+        raise device_mismatch("aten.masked_select.out", out.device)
+    if out.dtype != self.dtype:  # no cast into out=, as on CPU
+        raise RuntimeError("masked_select(): self and result must have the same scalar type")
     res = _masked_select(self, mask)
     out.resize_(res.shape)
     out.copy_(res)
@@ -478,6 +514,11 @@ def _nonzero(self: torch.Tensor) -> torch.Tensor:
 
 @kernel(aten.nonzero.out)
 def _nonzero_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not is_tpu(out):
+        raise device_mismatch("aten.nonzero.out", out.device)
+    if out.dtype != torch.int64:  # indices are int64, and CPU casts none into out=
+        raise RuntimeError(f"nonzero: Expected out tensor to have scalar type Long but got scalar type"
+                           f"{_dtypes.SCALAR_NAMES.get(out.dtype, out.dtype)}")
     res = _nonzero(self)
     out.resize_(res.shape)
     out.copy_(res)

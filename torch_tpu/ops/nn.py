@@ -822,6 +822,8 @@ lower(aten.multi_margin_loss_backward.default, by_name=True, meta=_like_self)(_m
 
 # =================================================================================== embeddings
 def _check_embedding(weight, indices, *rest, **kw):
+    if weight.dim() != 2:  # CPU's RuntimeError; torch's Python meta kernel asserts
+        raise RuntimeError(f"'weight' must be 2-D, got {weight.dim()}-D")
     checks.check_values(indices, checks.outside, (0, weight.shape[0]),
                         lambda v: IndexError("index out of range in self"))
 
@@ -873,7 +875,10 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
             jnp.where(vals == best[offset2bag], pos, indices.shape[0])
         )
         nonempty = bag_size[:n_bags, None] > 0
-        max_indices = jnp.where(nonempty, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
+        if indices.shape[0] == 0:  # no index at all: every bag is empty (a gather from nothing fails)
+            max_indices = jnp.zeros(best.shape, jnp.int64)
+        else:
+            max_indices = jnp.where(nonempty, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
         out = jnp.where(nonempty, best, 0)
     else:
         summed = keep
@@ -887,7 +892,30 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
 
 
 def _check_bag(weight, indices, offsets, *rest, **kw):
-    _check_embedding(weight, indices)
+    """CPU's RuntimeErrors of embedding_bag (its kernel's, not embedding's IndexError): an index
+    out of range, and 1-d offsets that don't start at 0 or point past the input; the shapes, which
+    torch's meta kernel does not check."""
+    for t, name, dims in ((indices, "input", (1, 2)), (offsets, "offsets", (1,)), (weight, "weight", (2,))):
+        if t.dim() not in dims:
+            what = "a 1D or 2D Tensor" if name == "input" else f"a {dims[0]}D Tensor"
+            raise RuntimeError(f"{name} has to be {what}, but got Tensor of dimension {t.dim()}")
+    n = weight.shape[0]
+    padding_idx = kw.get("padding_idx", rest[5] if len(rest) > 5 else None)
+    if padding_idx is not None and padding_idx >= 0:  # CPU's padded path words it otherwise
+        error = lambda v, at: RuntimeError(
+            f"embedding_bag: Expected idx >= 0 && idx < num_embeddings but found idx to be {v}")
+    else:
+        error = lambda v, at: RuntimeError(
+            f"Index {at} of input takes value {v} which is not in the valid range [0, {n})")
+    checks.check_values(indices, checks.outside, (0, n), error, position=True)
+    if indices.dim() != 1 or offsets.numel() == 0:
+        return  # 2-d input: fixed-size bags, no offsets to check
+    length = indices.shape[0]
+    checks.check_values(offsets[:1], checks.outside, (0, 1), lambda v: RuntimeError(
+        f"offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from position 0. "
+        f"However, got {v}"))
+    checks.check_values(offsets[-1:], checks.outside_closed, (0, length), lambda v: RuntimeError(
+        f"offsets[-1] can not be greater than input's length {length} but got offsets[-1] of {v}"))
 
 
 lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, check=_check_bag)(_embedding_bag)

@@ -282,7 +282,7 @@ def run_trace(
         try:
             compiled, seconds = _build(key, donate, outputs, args)
         except Exception as e:
-            raise _trace_error(e, key, sites) from e
+            _trace_error(e, key, sites)
         site = _site_key(flush_site, reason, key)
         previous = _last_key_at_site.get(site)
         now = (key, donate, frozenset(outputs))
@@ -318,14 +318,17 @@ def run_trace(
         else:
             values = prof.timed(f"fused program {entry.fingerprint} ({entry.ops} ops)", entry.compiled, *args)
     except Exception as e:
-        raise RuntimeError(
-            f"tpu: the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed: {e}"
-        ) from e
+        from torch_tpu.runtime.executor import raise_named
+
+        raise_named(e, f"the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed")
     return values, entry.slots
 
 
-def _trace_error(e: Exception, key: Any, sites: list) -> Exception:
-    """Names the op (and the user's line that recorded it) whose lowering failed."""
+def _trace_error(e: Exception, key: Any, sites: list) -> None:
+    """Raises ``e`` with its own type, naming the op (and the user's line that recorded it) whose
+    lowering failed."""
+    from torch_tpu.runtime.executor import raise_named
+
     tb = e.__traceback__
     failing = None
     while tb is not None:  # the innermost replay frame knows which program was running
@@ -335,8 +338,8 @@ def _trace_error(e: Exception, key: Any, sites: list) -> Exception:
     if failing is not None:
         i = next((k for k, (p, _) in enumerate(key) if p is failing), None)
         where = _site_text(sites[i]) if i is not None else "<unknown>"
-        return RuntimeError(f"tpu: {failing.name}, recorded at {where}, failed: {type(e).__name__}: {e}")
-    return RuntimeError(f"tpu: a fused program of {len(key)} ops failed to compile: {type(e).__name__}: {e}")
+        raise_named(e, f"{failing.name}, recorded at {where}")
+    raise_named(e, f"a fused program of {len(key)} ops failed to compile")
 
 
 def _record_recompile(site: Any, why: str) -> None:

@@ -54,14 +54,18 @@ def _program(bad: Predicate, params: tuple) -> Program:
     def body(a: Any) -> tuple:
         m = bad(jnp, a, *params).reshape(-1)
         flat = a.reshape(-1)
-        return jnp.any(m), flat[jnp.argmax(m)]
+        at = jnp.argmax(m)
+        return jnp.any(m), flat[at], at
 
     return Program(f"value check {bad.__name__}{params}", body, multi=True)
 
 
-def check_values(t: torch.Tensor, bad: Predicate, params: tuple, error: Callable[[Any], Exception]) -> None:
+def check_values(
+    t: torch.Tensor, bad: Predicate, params: tuple, error: Callable[..., Exception], position: bool = False
+) -> None:
     """Raises ``error(first bad value)`` if ``bad`` marks any element of tpu tensor ``t``: now when
-    the values are on the host (or in debug mode), else at the next host read."""
+    the values are on the host (or in debug mode), else at the next host read. ``position``:
+    ``error(value, flat index of the value)``, for messages that name where it is (embedding_bag)."""
     from torch_tpu._storage import host_copy, read, to_numpy
 
     if t.numel() == 0:
@@ -73,15 +77,18 @@ def check_values(t: torch.Tensor, bad: Predicate, params: tuple, error: Callable
     if values is None and executor.get_eager_mode() is EagerMode.DEBUG:
         values = to_numpy(t)
     if values is not None:
-        m = np.asarray(bad(np, values, *params))
+        m = np.asarray(bad(np, values, *params)).reshape(-1)
         if m.any():
-            raise error(values[m].reshape(-1)[0].item())
+            at = int(np.argmax(m))
+            value = np.asarray(values).reshape(-1)[at].item()
+            raise error(value, at) if position else error(value)
         return
     with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
-        flag, first = execute(_program(bad, params), read(t))
+        flag, first, at = execute(_program(bad, params), read(t))
     site = fused.user_site()
     _settle_ready()
-    _pending.append((flag, first, error, f"{site[0]}:{site[1]}" if site else "?"))
+    make = error if position else (lambda v, _at: error(v))
+    _pending.append((flag, (first, at), make, f"{site[0]}:{site[1]}" if site else "?"))
     if len(_pending) > _MAX_PENDING:
         raise_pending()
 
@@ -109,7 +116,8 @@ def raise_pending() -> None:
 def _raise_failed(checks: list) -> None:
     for flag, first, error, site in checks:
         if bool(np.asarray(fused.concrete(flag))):
-            e = error(np.asarray(fused.concrete(first)).item())
+            value, at = (np.asarray(fused.concrete(x)).item() for x in first)
+            e = error(value, at)
             note = (f" (found on the device after the op, called at {site}; "
                     "TORCH_TPU_EAGER_MODE=debug raises at the op itself)")
             raise type(e)(f"{e}{note}") from None

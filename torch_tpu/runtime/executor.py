@@ -197,9 +197,43 @@ def execute(program: Program, *inputs: Any) -> Any:
         out = program(*inputs) if prof is None else prof.timed(program.name, program, *inputs)
         if _mode is EagerMode.DEBUG:
             jax.block_until_ready(out)
-    except Exception as e:  # a lowering or runtime failure: name the op, never a bare jax trace
-        raise RuntimeError(f"tpu: {program.name} failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # a lowering or runtime failure: its own type, with the op named
+        raise_named(e, program.name)
     return out
+
+
+# Exception classes raised by the code a program runs: Python's own (a lowering's checks raise
+# CPU's IndexError, ValueError...), and torch's, JAX's and ours. Any other class (a test's
+# timeout raised by a signal handler, a user's exception) is not an op's failure: it passes
+# through untouched.
+_OUR_MODULES = frozenset(("builtins", "jax", "jaxlib", "torch", "torch_tpu", "numpy"))
+
+
+def named_error(e: BaseException, where: str) -> BaseException:
+    """``e``'s own type with ``where`` (the op and its input signature, and for an error found at
+    a later sync point the user's line that called the op) leading its message, so that a user's
+    ``except IndexError:`` works as on CPU and the message still says which op failed. Returns
+    ``e`` itself, with ``where`` as a note, when the type can't be rebuilt from a message, and
+    unchanged when the exception is not an op's."""
+    if type(e).__module__.partition(".")[0] not in _OUR_MODULES or not e.args:
+        return e
+    text = f"{where}: {e}"
+    try:
+        new = type(e)(text)
+    except Exception:
+        new = None
+    if new is None or str(new) != text:  # a class whose constructor means something else
+        e.add_note(where)
+        return e
+    return new
+
+
+def raise_named(e: BaseException, where: str) -> None:
+    """Raises :func:`named_error` of ``e``, chained to ``e`` (whose traceback is the lowering's)."""
+    new = named_error(e, where)
+    if new is e:
+        raise e
+    raise new from e
 
 
 def synchronize() -> None:

@@ -130,7 +130,9 @@ def _avals_for(program: Any, inputs: list) -> list:
         try:
             out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
         except Exception as e:
-            raise RuntimeError(f"tpu: {program.name} failed: {type(e).__name__}: {e}") from e
+            from torch_tpu.runtime.executor import raise_named
+
+            raise_named(e, program.name)
         if fixed is not None:
             avals = program.shapes[key] = fixed
         else:
@@ -167,7 +169,9 @@ def concrete(x: Any) -> Any:
     if x.value is None and x.error is None:
         flush()
     if x.value is None:
-        raise RuntimeError(f"tpu: this tensor was never computed: the fused program producing it failed ({x.error})")
+        from torch_tpu.runtime.executor import raise_named
+
+        raise_named(x.error, "this tensor was never computed: the fused program producing it failed")
     return x.value
 
 
