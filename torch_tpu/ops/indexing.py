@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu._dispatch import _OpKernel, kernel
+from torch_tpu._dispatch import kernel, lowering_kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
 from torch_tpu.runtime import checks
@@ -199,8 +199,8 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
     def check(self, indices, *args, **kwargs):
         _check_index_args(self, indices, name)
 
-    inner = _OpKernel(op, Lowering(fn, check=check), kind)
-    where = _OpKernel(op, Lowering(_mask_put), kind) if put else None
+    inner = lowering_kernel(op, Lowering(fn, check=check), kind)
+    where = lowering_kernel(op, Lowering(_mask_put), kind) if put else None
 
     def run(self, indices, *args, **kwargs):
         indices = list(indices)
