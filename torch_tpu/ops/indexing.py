@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_tpu import _checks as checks
 from torch_tpu._dispatch import kernel, lowering_kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
-from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 # ------------------------------------------------------------------------------------ checks

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
 from torch_tpu._dispatch import device_mismatch, register_kernel, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)

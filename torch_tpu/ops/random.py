@@ -290,7 +290,7 @@ def _negative_or_nan(xp, values):
 
 
 def _poisson_check(self, generator=None):
-    from torch_tpu.runtime import checks
+    from torch_tpu import _checks as checks
 
     # CPU rejects a negative (or NaN) rate: checked on the host copy, else with the step (checks.py)
     checks.check_values(self, _negative_or_nan, (),
