@@ -398,7 +398,8 @@ def _out_from_functional(out_op: torch._ops.OpOverload, functional: torch._ops.O
 
 def register_out_twins() -> int:
     """Registers the ``out=`` overloads whose functional op has a kernel of ours but no lowering
-    (hand-written kernels, ``jax_kernel`` ops): each runs the functional op, then copies."""
+    twins (hand-written kernels, ``lower(by_name=True)`` entries): each runs the functional op,
+    then copies."""
     n = 0
     served = [op for op, how in REGISTERED.items() if how != "fallback"]
     for op_name in served:
