@@ -16,6 +16,7 @@ autograd formula.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -395,7 +396,8 @@ def _out_from_functional(out_op: torch._ops.OpOverload, functional: torch._ops.O
 
 def register_out_twins() -> int:
     """Registers the ``out=`` overloads whose functional op has a kernel of ours but no lowering
-    (hand-written kernels, ``jax_kernel`` ops): each runs the functional op, then copies."""
+    twins (hand-written kernels, ``lower(by_name=True)`` entries): each runs the functional op,
+    then copies."""
     n = 0
     served = [op for op, how in REGISTERED.items() if how != "fallback"]
     for op_name in served:
@@ -428,6 +430,27 @@ def register_lowerings() -> int:
                 continue
             if target is not op and target in LOWERINGS:
                 continue  # a twin with a lowering of its own
-            register_kernel(target, _OpKernel(target, lowering, k), f"lowering ({k})")
+            register_kernel(target, lowering_kernel(target, lowering, k), f"lowering ({k})")
             n += 1
     return n
+
+
+def lowering_kernel(op: torch._ops.OpOverload, lowering: Lowering, kind: str = "functional") -> Callable:
+    """The PrivateUse1 kernel serving ``op`` (its ``kind``: functional, inplace or out) with
+    ``lowering``: the adapter every lowered op goes through, variants included."""
+    if not lowering.variants:
+        return _OpKernel(op, lowering, kind)
+    by_variant = {
+        name: _OpKernel(op, dataclasses.replace(lowering, fn=functools.partial(lowering.fn, **kw), variants=None), kind)
+        for name, kw in lowering.variants.items()
+    }
+    choose = lowering.choose
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return by_variant[choose(*args, **kwargs)](*args, **kwargs)
+
+    run.counts_itself = True  # the variant's kernel counts the call
+    return run
+
+
+to_meta = _meta  # meta tensors standing in for tpu ones (hand kernels run torch's meta kernel on them)

@@ -17,7 +17,7 @@ import jax
 import torch
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import _OpKernel, register_kernel
+from torch_tpu._dispatch import lowering_kernel, register_kernel
 from torch_tpu.ops._registry import LOWERINGS, Lowering
 
 NAMESPACE = "torch_tpu_ops"
@@ -43,7 +43,7 @@ def _define(name: str, schema: str, lowering: Callable, shape_fn: Callable) -> t
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     _lib.impl(name, shape_fn, "Meta")
     LOWERINGS[op] = Lowering(lowering)
-    register_kernel(op, _OpKernel(op, LOWERINGS[op], "functional"), "jax_op")
+    register_kernel(op, lowering_kernel(op, LOWERINGS[op]), "jax_op")
     return op
 
 

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import torch
 import torch._decomp
 
+from torch_tpu import _checks as value_checks
 from torch_tpu import _device, _dtypes, _rng
 from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
-from torch_tpu.runtime import checks as value_checks
 from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.executor import Program, deferred, execute
 

@@ -8,6 +8,7 @@ the shape. A lowering never knows which mode runs it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,10 @@ class Lowering:
     meta: Callable | None = None
     own_shapes: bool = False
     twins: bool = True  # the dispatcher derives in-place and out= kernels from it
+    # Static keyword variants of ``fn``, one eager kernel (and its programs) each, picked per call
+    # by ``choose`` from the torch arguments (matmul precision); ``fn`` itself is the first one.
+    variants: dict | None = None
+    choose: Callable | None = None
 
     def apply(self, key: Any, args: Sequence, kwargs: dict, outs: Sequence, name: str) -> list:
         """Calls the lowering: the one protocol of eager programs and of compiled graphs.
@@ -116,6 +121,8 @@ def lower(
     meta: Callable | None = None,
     own_shapes: bool = False,
     by_name: bool = False,
+    variants: dict | None = None,
+    choose: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 
@@ -123,12 +130,15 @@ def lower(
     means itself. An in-place overload may be named directly when it has no functional twin
     (``aten.uniform_``): its lowering returns the new value of ``self``. ``by_name``: ``fn`` takes
     every argument by its schema name (for functions whose optional arguments come last), so it
-    serves one overload only.
+    serves one overload only. ``variants`` and ``choose``: see :class:`Lowering`.
     """
 
     def deco(fn: Callable) -> Callable:
         call = _by_name(targets[0], fn) if by_name else fn
-        entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, twins=not by_name)
+        if variants:
+            call = functools.partial(call, **next(iter(variants.values())))
+        entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, not by_name, variants,
+                         choose)
         for target in targets:
             if target is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
                 continue

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dispatch, _dtypes
-from torch_tpu._dispatch import device_mismatch, kernel, meta_outputs
+from torch_tpu import _dtypes
+from torch_tpu._dispatch import device_mismatch, kernel, meta_outputs, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
-from torch_tpu.ops._registry import LOWERINGS, aten, lower
+from torch_tpu.ops._registry import aten, lower
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -153,7 +153,7 @@ def conj_physical_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """``conj_physical`` (and ``conj_physical_``, which CompositeExplicitAutograd routes here)."""
     if not is_tpu(out):
         raise device_mismatch("aten.conj_physical.out", out.device)
-    meta = meta_outputs(aten.conj_physical.out, (self,), {"out": _dispatch._meta(out)})[0]
+    meta = meta_outputs(aten.conj_physical.out, (self,), {"out": to_meta(out)})[0]
     shape = tuple(meta.shape)
     prog = _copy_program("aten.conj_physical", jnp.conj, tuple(self.shape), self.dtype, shape, out.dtype)
     value = execute(prog, read(self))
@@ -195,12 +195,3 @@ def _complex_pair(re, im):
 @lower(aten.polar.default, check=_check_parts)
 def polar(abs, angle):  # noqa: A002  (the schema's name)
     return _complex_pair(abs * jnp.cos(angle), abs * jnp.sin(angle))
-
-
-# register_lowerings skips in-place ops named directly in the table; register this one here.
-if str(aten.conj_physical_.default) not in _dispatch.REGISTERED:
-    _dispatch.register_kernel(
-        aten.conj_physical_.default,
-        _dispatch._OpKernel(aten.conj_physical_.default, LOWERINGS[aten.conj_physical_.default], "inplace"),
-        "lowering (inplace)",
-    )

@@ -300,55 +300,6 @@ def new_full(self, size, fill_value, dtype=None):
     return jnp.full(size, fill_value, _dtype_or(self, dtype))
 
 
-# Advanced indexing: eager mode needs hand kernels (bool masks have data-dependent shapes); in a
-# graph the indices are integer tensors (Dynamo breaks the graph on data-dependent shapes).
-@lower(aten.index.Tensor, graph_only=True)
-def index(self, indices):
-    from torch_tpu.ops.indexing import _index
-
-    return _index(self, indices)
-
-
-@lower(aten.index_put.default, graph_only=True)
-def index_put(self, indices, values, accumulate=False):
-    from torch_tpu.ops.indexing import _index_put
-
-    if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
-        return _masked_put(self, indices, values, accumulate)
-    return _index_put(self, indices, values, accumulate)
-
-
-@lower(aten._index_put_impl.default, graph_only=True)
-def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
-    return index_put(self, indices, values, accumulate)
-
-
-def _masked_put(self, indices, values, accumulate):
-    """``self[mask] = values`` with one leading mask: a select, its shape static whatever the mask.
-
-    ``values`` either broadcasts to one selected row (it is the same for every true element) or
-    has one row per true element, in order: the k-th true element takes row k (a cumulative count
-    of the mask indexes them). Either way no host read of the mask is needed; in the second case the
-    backend checks the count against CPU's rule after the graph runs (``_mask_rows`` in compile/backend.py).
-    """
-    mask = indices[0]
-    if len(indices) != 1 or mask.dtype not in (jnp.bool_, jnp.uint8):
-        raise NotImplementedError(
-            "torch.compile(backend='tpu'): aten.index_put with a boolean mask is lowered for one leading mask only"
-        )
-    mask = mask.astype(bool)
-    rest = self.shape[mask.ndim:]
-    values = values.astype(self.dtype)
-    if values.ndim == len(rest) + 1 and values.shape[0] != 1:  # one row per true element
-        rank = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, values.shape[0] - 1)
-        rows = jnp.take(values, rank, axis=0).reshape(mask.shape + values.shape[1:])
-    else:
-        rows = jnp.reshape(values, values.shape[1:]) if values.ndim == len(rest) + 1 else values
-    rows = jnp.broadcast_to(rows, mask.shape + rest)
-    m = mask.reshape(mask.shape + (1,) * len(rest))
-    return jnp.where(m, self + rows if accumulate else rows, self)
-
-
 # Copying twins of views (``view_copy``, ``permute_copy``, ...): functional graphs name them where
 # eager mode has torch's view kernels; each is its view's lowering.
 lower(aten.view_copy.default, graph_only=True)(view)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import _OpKernel, device_mismatch, kernel
+from torch_tpu._dispatch import device_mismatch, kernel, lowering_kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
-from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 # ------------------------------------------------------------------------------------ checks
@@ -227,8 +227,8 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
     def check(self, indices, *args, **kwargs):
         _check_index_args(self, indices, name)
 
-    inner = _OpKernel(op, Lowering(fn, check=check), kind)
-    where = _OpKernel(op, Lowering(_mask_put), kind) if put else None
+    inner = lowering_kernel(op, Lowering(fn, check=check), kind)
+    where = lowering_kernel(op, Lowering(_mask_put), kind) if put else None
 
     def run(self, indices, *args, **kwargs):
         indices = list(indices)
@@ -580,3 +580,48 @@ def embedding_renorm(self, indices, max_norm, norm_type):
     norm = jnp.sum(jnp.abs(x) ** norm_type, axis=1) ** (1.0 / norm_type)
     scale = jnp.where(used & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
     return (x * scale[:, None].astype(x.dtype)).astype(self.dtype)
+
+
+# Advanced indexing: eager mode needs hand kernels (bool masks have data-dependent shapes); in a
+# graph an index is static: integer indices, or one boolean mask of index_put (a select).
+@lower(aten.index.Tensor, graph_only=True)
+def index_graph(self, indices):
+    return _index(self, indices)
+
+
+@lower(aten.index_put.default, graph_only=True)
+def index_put_graph(self, indices, values, accumulate=False):
+    if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
+        return _graph_mask_put(self, indices, values, accumulate)
+    return _index_put(self, indices, values, accumulate)
+
+
+@lower(aten._index_put_impl.default, graph_only=True)
+def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
+    return index_put_graph(self, indices, values, accumulate)
+
+
+def _graph_mask_put(self, indices, values, accumulate):
+    """``self[mask] = values`` with one leading mask: a select, its shape static whatever the mask.
+
+    ``values`` either broadcasts to one selected row (it is the same for every true element) or
+    has one row per true element, in order: the k-th true element takes row k (a cumulative count
+    of the mask indexes them). Either way no host read of the mask is needed; in the second case the
+    backend checks the count against CPU's rule after the graph runs (``_mask_rows`` in compile/backend.py).
+    """
+    mask = indices[0]
+    if len(indices) != 1 or mask.dtype not in (jnp.bool_, jnp.uint8):
+        raise NotImplementedError(
+            "torch.compile(backend='tpu'): aten.index_put with a boolean mask is lowered for one leading mask only"
+        )
+    mask = mask.astype(bool)
+    rest = self.shape[mask.ndim:]
+    values = values.astype(self.dtype)
+    if values.ndim == len(rest) + 1 and values.shape[0] != 1:  # one row per true element
+        rank = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, values.shape[0] - 1)
+        rows = jnp.take(values, rank, axis=0).reshape(mask.shape + values.shape[1:])
+    else:
+        rows = jnp.reshape(values, values.shape[1:]) if values.ndim == len(rest) + 1 else values
+    rows = jnp.broadcast_to(rows, mask.shape + rest)
+    m = mask.reshape(mask.shape + (1,) * len(rest))
+    return jnp.where(m, self + rows if accumulate else rows, self)

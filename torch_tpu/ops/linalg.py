@@ -17,17 +17,15 @@ are hand-written kernels.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
 
 from torch_tpu._compat import aten_overload
-from torch_tpu._dispatch import REGISTERED, _OpKernel, _twins, kernel, register_kernel
+from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor, to_cpu
-from torch_tpu.ops._registry import LOWERINGS, Lowering, aten, lower
+from torch_tpu.ops._registry import aten, lower
 from torch_tpu.ops.nn import run_jax
 
 _PRECISION = {
@@ -56,43 +54,17 @@ def _scaled_sum(self, prod, beta, alpha):
     return scaled + jnp.where(b == 0, jnp.zeros((), dt), self.astype(dt) * b.astype(dt))
 
 
-def lower_variants(*ops: torch._ops.OpOverload, variants: dict, choose):
-    """Like ``lower``, for a lowering with static keyword variants picked per call from the torch
-    arguments by ``choose``: one kernel per variant (each with its own compiled programs), for the
-    op and its in-place and ``out=`` twins."""
-
-    def deco(fn):
-        for op in ops:
-            LOWERINGS[op] = Lowering(functools.partial(fn, **next(iter(variants.values()))))
-            for target, kind in [(op, "functional"), *_twins(op)]:
-                if str(target) in REGISTERED:
-                    continue
-                by_variant = {
-                    k: _OpKernel(target, Lowering(functools.partial(fn, **kw)), kind) for k, kw in variants.items()
-                }
-
-                def run(*args, _k=by_variant, **kwargs):
-                    return _k[choose(*args, **kwargs)](*args, **kwargs)
-
-                run.counts_itself = True  # the variant's kernel counts the call
-
-                register_kernel(target, run, f"lowering ({kind})")
-        return fn
-
-    return deco
-
-
 def matmul_lowering(*ops: torch._ops.OpOverload):
     """A lowering taking ``precision``, chosen from ``torch.get_float32_matmul_precision()``."""
     variants = {name: {"precision": p} for name, p in _PRECISION.items()}
-    return lower_variants(*ops, variants=variants, choose=lambda *a, **k: torch.get_float32_matmul_precision())
+    return lower(*ops, variants=variants, choose=lambda *a, **k: torch.get_float32_matmul_precision())
 
 
 def factor_transposed(*ops: torch._ops.OpOverload):
     """A lowering taking ``transposed``: CPU factors A^T instead of A when A is contiguous and
     real (it saves a copy there), and its backward formulas rely on which one the LU holds."""
     variants = {"T": {"transposed": True}, "N": {"transposed": False}}
-    return lower_variants(
+    return lower(
         *ops, variants=variants, choose=lambda A, *a, **k: "T" if A.is_contiguous() and not A.is_complex() else "N"
     )
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import _meta, device_mismatch, register_kernel
+from torch_tpu._dispatch import device_mismatch, register_kernel, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, lower
-from torch_tpu.runtime import checks
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -146,7 +146,7 @@ def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, r
     """A kernel for one batch-norm entry point: runs the math and writes running stats in place."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        metas = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+        metas = op(*to_meta(args), **{k: to_meta(v) for k, v in kwargs.items()})
         b = _bind(op, args, kwargs)
         training = b.get("training", fixed_training)
         rm, rv = b.get("running_mean"), b.get("running_var")

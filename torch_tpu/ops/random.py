@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import torch
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import REGISTERED, _OpKernel, register_kernel
 from torch_tpu._storage import is_tpu, read
-from torch_tpu.ops._registry import LOWERINGS, aten, lower
+from torch_tpu.ops._registry import aten, lower
 from torch_tpu.runtime.executor import Program, execute
 
 
@@ -286,19 +285,12 @@ def native_dropout_backward(grad_output, mask, scale):
 
 
 
-# In-place overloads with no functional twin, registered here as well: the generic registration
-# skips in-place ops named directly in the table (see the report on _dispatch.register_lowerings).
-for _op in (aten.normal_.default, aten.bernoulli_.float):
-    if str(_op) not in REGISTERED:
-        register_kernel(_op, _OpKernel(_op, LOWERINGS[_op], "inplace"), "lowering (inplace)")
-
-
 def _negative_or_nan(xp, values):
     return ~(values >= 0)
 
 
 def _poisson_check(self, generator=None):
-    from torch_tpu.runtime import checks
+    from torch_tpu import _checks as checks
 
     # CPU rejects a negative (or NaN) rate: checked on the host copy, else with the step (checks.py)
     checks.check_values(self, _negative_or_nan, (),

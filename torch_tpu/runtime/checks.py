@@ -1,94 +1,30 @@
-"""Checks on tensor values that CPU torch makes at the op: index bounds, class targets, ranges.
+"""The queue of deferred value checks: device-side asserts raised at the next host read.
 
-CPU torch sees every value, so an out-of-range index raises at the op. On an accelerator the
-values live on the device, and reading them at every op would stop the host until the device
-has caught up: a sync per embedding lookup. So a check runs where the values already are:
-
-- values uploaded from the host keep their host copy (``_storage.remember_host_copy``): the check
-  runs there, at the op, with no device read. This covers batches of token ids and targets;
-- in debug mode the values are read from the device (a sync), and the check raises at the op;
-- otherwise (indices the device computes, such as ``torch.arange(T, device="tpu")``) the check
-  is a small program that runs with the step, and its error is raised at the next host read
-  (``.item()``, ``.cpu()``, ``torch_tpu.sync()``), naming the op and the line that called it, as
-  CUDA reports a device-side assert. Debug mode gives the exact place.
+A check whose values are on the device runs as a small program with the step
+(:func:`torch_tpu._checks.check_values` makes it); its (failed flag, first bad value) wait here, and
+the first failed one raises, naming the op's call site, where the host next reads device values
+(``raise_pending``, called by the executor and the storage layer). Only the queue lives in the
+runtime: the tensor-level checks sit above the storage layer, which this module must not import.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
-import torch
 
-from torch_tpu import _dtypes
-from torch_tpu.runtime import executor, fused
-from torch_tpu.runtime.executor import EagerMode, Program, execute
-
-# A predicate marks bad elements: bad(xp, values, *params) -> bool array, with xp numpy or jax.numpy.
-Predicate = Callable[..., Any]
+from torch_tpu.runtime import fused
 
 _pending: list[tuple[Any, Any, Callable[[Any], Exception], str]] = []
 _MAX_PENDING = 256  # past this many unread checks, resolve them (a sync) rather than grow
 
 
-def outside(xp: Any, a: Any, lo: int, hi: int) -> Any:
-    """Values outside [lo, hi)."""
-    return (a < lo) | (a >= hi)
-
-
-def outside_closed(xp: Any, a: Any, lo: int, hi: int) -> Any:
-    """Values outside [lo, hi]."""
-    return (a < lo) | (a > hi)
-
-
-def outside_unless(xp: Any, a: Any, lo: int, hi: int, allowed: int) -> Any:
-    """Values outside [lo, hi), except the value ``allowed`` (an ``ignore_index``)."""
-    return (a != allowed) & ((a < lo) | (a >= hi))
-
-
-@functools.cache
-def _program(bad: Predicate, params: tuple) -> Program:
-    def body(a: Any) -> tuple:
-        m = bad(jnp, a, *params).reshape(-1)
-        flat = a.reshape(-1)
-        at = jnp.argmax(m)
-        return jnp.any(m), flat[at], at
-
-    return Program(f"value check {bad.__name__}{params}", body, multi=True)
-
-
-def check_values(
-    t: torch.Tensor, bad: Predicate, params: tuple, error: Callable[..., Exception], position: bool = False
-) -> None:
-    """Raises ``error(first bad value)`` if ``bad`` marks any element of tpu tensor ``t``: now when
-    the values are on the host (or in debug mode), else at the next host read. ``position``:
-    ``error(value, flat index of the value)``, for messages that name where it is (embedding_bag)."""
-    from torch_tpu._storage import host_copy, read, to_numpy
-
-    if t.numel() == 0:
-        return
-    if t.device.type == "cpu":  # a CPU index where CPU torch allows one
-        values = _dtypes.cpu_to_numpy(t)
-    else:
-        values = host_copy(t)
-    if values is None and executor.get_eager_mode() is EagerMode.DEBUG:
-        values = to_numpy(t)
-    if values is not None:
-        m = np.asarray(bad(np, values, *params)).reshape(-1)
-        if m.any():
-            at = int(np.argmax(m))
-            value = np.asarray(values).reshape(-1)[at].item()
-            raise error(value, at) if position else error(value)
-        return
-    with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
-        flag, first, at = execute(_program(bad, params), read(t))
-    site = fused.user_site()
+def defer(flag: Any, first: Any, error: Callable[[Any], Exception], site: str) -> None:
+    """Queues a check run on the device: ``flag`` (any bad element), ``first`` (the first bad value
+    and its flat index, both device values); ``error(value, index)`` builds the exception."""
     _settle_ready()
-    make = error if position else (lambda v, _at: error(v))
-    _pending.append((flag, (first, at), make, f"{site[0]}:{site[1]}" if site else "?"))
+    _pending.append((flag, first, error, site))
     if len(_pending) > _MAX_PENDING:
         raise_pending()
 

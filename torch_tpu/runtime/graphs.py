@@ -312,7 +312,7 @@ class TPUGraph:
         wanted: list[tuple[int, int]] = []
         lazy_at: dict[tuple[int, int], Any] = {}
         for r in live:
-            if r.node is not None and (id(r) in out_storages or any(c[0] is r or c[1] is r for c in check_entries)):
+            if r.node is not None and (id(r) in out_storages or any(c[0] is r or any(x is r for x in c[1]) for c in check_entries)):
                 o = (position[id(r.node)], r.index)
                 wanted.append(o)
                 lazy_at[o] = r
@@ -359,8 +359,9 @@ class TPUGraph:
         self._donate = donate
         self._bind = [(slot[o], st) for o in outputs for st in out_storages.get(id(lazy_at[o]), ())]
         self._constant_writes = constant_writes
-        self._checks = [(slot[(position[id(c[0].node)], c[0].index)], slot[(position[id(c[1].node)], c[1].index)],
-                         c[2], c[3]) for c in check_entries]
+        # a check: (flag, (first bad value, its index), error, site), each value an output slot
+        self._checks = [(slot[(position[id(c[0].node)], c[0].index)],
+                         tuple(slot[(position[id(x.node)], x.index)] for x in c[1]), c[2], c[3]) for c in check_entries]
         self.ops = len(nodes)
         self.compile_seconds = seconds
         # created outputs read as zeros until the first replay (CUDA leaves them uninitialised)
@@ -408,8 +409,8 @@ class TPUGraph:
             for st, c in self._constant_writes:
                 st._jx = c
             if self._checks:
-                for fi, vi, error, site in self._checks:
-                    checks._pending.append((outs[fi], outs[vi], error, site))
+                for fi, vis, error, site in self._checks:
+                    checks._pending.append((outs[fi], tuple(outs[v] for v in vis), error, site))
                 checks._settle_ready()
 
     def _call_error(self, e: Exception, args: list) -> Exception:
