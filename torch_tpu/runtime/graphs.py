@@ -311,8 +311,9 @@ class TPUGraph:
         # outputs: each live value that a storage or a check holds; a donated input's replacement first
         wanted: list[tuple[int, int]] = []
         lazy_at: dict[tuple[int, int], Any] = {}
+        checked = {id(x) for c in check_entries for x in (c[0], *c[1])}
         for r in live:
-            if r.node is not None and (id(r) in out_storages or any(c[0] is r or any(x is r for x in c[1]) for c in check_entries)):
+            if r.node is not None and (id(r) in out_storages or id(r) in checked):
                 o = (position[id(r.node)], r.index)
                 wanted.append(o)
                 lazy_at[o] = r
