@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import jax
+import torch  # noqa: F401  first: torch's backend autoload imports the hook module whole (it imports torch itself)
 
 import _torch_tpu_autoload
 
