@@ -41,10 +41,15 @@ def reset() -> None:
 
 
 def metrics() -> dict[str, Any]:
-    """A snapshot of the counters as plain dicts (a training step that ended runs first)."""
+    """A snapshot of the counters as plain dicts. What was recorded runs first (a deferred compiled
+    graph, a fused trace), so its compilation is counted when the call it belongs to returns; under
+    graph capture nothing runs, and the capture's compilation is counted at its end."""
+    from torch_tpu import _storage
     from torch_tpu.runtime import fused
 
     fused.finish_step()
+    if fused.pending_count() and _storage._capture is None:
+        fused.flush(reason="metrics()")
     return {
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
