@@ -196,7 +196,6 @@ def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     storage's bits (``_storage._alias_geometry``)."""
     if dtype == t.dtype:
         return t
-    metrics.op_counts["aten.view.dtype"] += 1
     return aten.view.dtype._op_dk(_VIEW_DTYPE_KEY, t, dtype)
 
 

@@ -25,6 +25,7 @@ from torch_tpu import _dtypes
 from torch_tpu._dispatch import device_mismatch, kernel, lowering_kernel
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, lower
+from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
 
 # ------------------------------------------------------------------------------------ checks
@@ -234,8 +235,9 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
         indices = list(indices)
         for i in indices:
             if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
-                warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
-                              "instead.", UserWarning, stacklevel=3)  # the user's line (via kernel()'s wrapper)
+                site = fused.user_site() or ("<unknown>", 0)  # the user's line, however deep the wrappers
+                warnings.warn_explicit("indexing with dtype torch.uint8 is now deprecated, please use a dtype "
+                                       "torch.bool instead.", UserWarning, site[0], site[1])
         if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
             values = args[0] if args else kwargs["values"]
             mask = indices[0]

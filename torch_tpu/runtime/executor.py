@@ -218,6 +218,10 @@ def named_error(e: BaseException, where: str) -> BaseException:
     if type(e).__module__.partition(".")[0] not in _OUR_MODULES or not e.args:
         return e
     text = f"{where}: {e}"
+    if isinstance(e, TypeError) and _raised_by_jax(e) and "dtype" in str(e):
+        # jax.numpy refusing a dtype (bitwise ops on floats): CPU's kernel says "not implemented
+        # for 'Float'" as a RuntimeError, so a user's except clause sees the type CPU raises
+        return RuntimeError(f"{where}: not implemented for this dtype: {e}")
     try:
         new = type(e)(text)
     except Exception:
@@ -226,6 +230,14 @@ def named_error(e: BaseException, where: str) -> BaseException:
         e.add_note(where)
         return e
     return new
+
+
+def _raised_by_jax(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside JAX itself (not by a lowering's own check)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "/jax/" in tb.tb_frame.f_code.co_filename
 
 
 def raise_named(e: BaseException, where: str) -> None:
