@@ -33,6 +33,12 @@ class Stream:
     def device(self) -> torch.device:
         return torch.device("tpu", 0)
 
+    # ``torch.Stream``'s identity fields, which torch code passes to ops (FSDP2 in torch 2.15:
+    # ``record_grad_output_stream(buffer, stream.stream_id, stream.device_index, stream.device_type)``)
+    stream_id = 0
+    device_index = 0
+    device_type = int(torch._C._autograd.DeviceType.PrivateUse1)
+
     def wait_stream(self, stream: Stream) -> None:
         """Nothing to do: data dependencies order the work of every stream."""
 
