@@ -36,8 +36,7 @@ _module_move.install()
 
 from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse, ops  # noqa: E402,F401
 
-_dispatch.register_lowerings()
-_dispatch.register_out_twins()
+_dispatch.register_table()
 _sparse.register()
 _torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
 _fallback.register()
@@ -51,9 +50,10 @@ from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime import fused as _fused  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
-from torch_tpu.runtime.metrics import metrics, metrics_report  # noqa: E402
+from torch_tpu.runtime.metrics import metrics  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
+from torch_tpu.runtime.report import metrics_report  # noqa: E402
 
 _cache.configure_persistent_cache()
 if not _torch_tpu_autoload.autoloaded():  # registered during ``import torch``, before any backward

@@ -231,12 +231,12 @@ is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
 
 
 from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
+from torch_tpu.runtime.graphed_callables import make_graphed_callables  # noqa: E402,F401
 from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: capture once, replay per step)
     TPUGraph,
     graph,
     graph_pool_handle,
     is_current_stream_capturing,
-    make_graphed_callables,
 )
 
 

@@ -26,9 +26,18 @@ import jax.numpy as jnp
 import torch
 
 from torch_tpu import _dtypes, _rng, _storage
+from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
-from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering, dispatcher_overloads, is_mutating
+from torch_tpu.ops._registry import (
+    HAND_KERNELS,
+    IGNORED_KWARGS,
+    LOWERINGS,
+    Lowering,
+    dispatcher_overloads,
+    is_mutating,
+)
 from torch_tpu.runtime import executor, metrics
+from torch_tpu.runtime.errors import raise_named
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
@@ -52,13 +61,6 @@ class _Empty(tuple):
 
 class _Scalar(tuple):
     """Signature of a runtime Python number or CPU 0-dim tensor: (python type or dtype,)."""
-
-
-def device_mismatch(op_name: str, other: torch.device) -> RuntimeError:
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
-        f"{other}! (when checking argument for {op_name})"
-    )
 
 
 # How an argument's Python numbers are treated: all static, or floats (and complex) at run time.
@@ -110,37 +112,6 @@ def _rebuild(s: Any, it) -> Any:
     return s
 
 
-def _meta(a: Any) -> Any:
-    if isinstance(a, torch.Tensor) and (a.device.type == "tpu" or a.dim() == 0):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_meta(x) for x in a)
-    if isinstance(a, torch.device) and a.type == "tpu":
-        return torch.device("meta")
-    if isinstance(a, str) and a.startswith("tpu"):
-        return "meta"
-    return a
-
-
-def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
-                 meta: Callable | None = None) -> list[torch.Tensor | None]:
-    """Runs torch's meta kernel (or ``meta``, standing in for it): raises CPU's errors, returns meta
-    tensors of the results, None for an undefined one (a backward's ``output_mask``)."""
-    # a generator changes no shape, and torch's reference meta kernels refuse one (exponential_)
-    out = (meta or op)(*_meta(args), **{k: None if k == "generator" else _meta(v) for k, v in kwargs.items()})
-    if out is None:  # an in-place op on a list (_foreach_mul_): no result
-        return []
-    if isinstance(out, torch.Tensor):
-        return [out]
-    flat: list[torch.Tensor | None] = []
-    for o in out:
-        if o is None or isinstance(o, torch.Tensor):
-            flat.append(o)
-        else:
-            flat.extend(o)
-    return flat
-
-
 class _OpKernel:
     """The PrivateUse1 kernel of one ATen overload, backed by one lowering."""
 
@@ -170,9 +141,9 @@ class _OpKernel:
         try:
             metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
-            executor.raise_named(e, f"{self.name}({sig})")
+            raise_named(e, f"{self.name}({sig})")
         if self.kind == "inplace":
-            metas = list(_meta(args[0])) if isinstance(args[0], (list, tuple)) else [_meta(args[0])]
+            metas = list(to_meta(args[0])) if isinstance(args[0], (list, tuple)) else [to_meta(args[0])]
         avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
         outs = [None if a is None else (a[0], _dtypes.to_jax(a[1])) for a in avals]
         lowering = self.lowering
@@ -323,27 +294,6 @@ def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
     KERNELS[str(op)] = fn
 
 
-def kernel(*ops: torch._ops.OpOverload, fusable: bool = False) -> Callable[[Callable], Callable]:
-    """Registers a hand-written PrivateUse1 kernel (for ops that are not pure array functions).
-
-    Such kernels may compute on arrays directly and read values on the host, so in fused mode they
-    run as in strict mode (:func:`executor.eager_section`). ``fusable=True`` is for kernels that
-    only pass arrays through the executor (copies, allocation), which fused mode can record.
-    """
-
-    def deco(fn: Callable) -> Callable:
-        for op in ops:
-            if op is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
-                continue
-            if fusable:
-                register_kernel(op, fn, "kernel")  # counted by register_kernel, unless it counts itself
-            else:
-                register_kernel(op, _eager_section(op, fn), "kernel")
-        return fn
-
-    return deco
-
-
 def _twins(op: torch._ops.OpOverload) -> list[tuple[torch._ops.OpOverload, str]]:
     """The in-place and out= overloads computed by ``op``'s lowering."""
     schema = op._schema
@@ -417,8 +367,20 @@ def register_out_twins() -> int:
     return n
 
 
+def register_table() -> int:
+    """Registers every entry of the serving table with torch, once: the hand kernels, then the
+    lowerings (and their in-place and out= twins) of every op without one, then the out= overloads
+    of hand-kernel ops. Returns how many kernels were registered."""
+    n = 0
+    for op, hk in HAND_KERNELS.items():
+        fn = hk.fn if hk.build is None else hk.build(lowering_kernel)
+        register_kernel(op, fn if hk.fusable else _eager_section(op, fn), hk.how)
+        n += 1
+    return n + register_lowerings() + register_out_twins()
+
+
 def register_lowerings() -> int:
-    """Registers kernels for every lowering in the table; returns how many."""
+    """Registers kernels for every lowering in the table whose op has no hand kernel; returns how many."""
     n = 0
     for op, lowering in LOWERINGS.items():
         if lowering.graph_only:
@@ -451,6 +413,3 @@ def lowering_kernel(op: torch._ops.OpOverload, lowering: Lowering, kind: str = "
 
     run.counts_itself = True  # the variant's kernel counts the call
     return run
-
-
-to_meta = _meta  # meta tensors standing in for tpu ones (hand kernels run torch's meta kernel on them)

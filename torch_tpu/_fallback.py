@@ -106,7 +106,7 @@ def _write_back(src: Any, res: Any) -> bool:
 
 def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     """CPU tensors other than 0-dim scalars cannot mix with tpu tensors, as on CUDA."""
-    from torch_tpu._dispatch import device_mismatch
+    from torch_tpu._meta import device_mismatch
 
     for a in tree_flatten((args, kwargs))[0]:
         if isinstance(a, torch.Tensor) and a.device.type != "tpu" and a.dim() > 0:

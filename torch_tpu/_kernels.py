@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _device, _dtypes
-from torch_tpu._dispatch import device_mismatch, kernel, register_kernel
+from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
     base_array,
     contiguous_strides,
@@ -31,6 +31,7 @@ from torch_tpu._storage import (
 )
 from torch_tpu.ops import amp as _amp
 from torch_tpu.ops import optim as _optim
+from torch_tpu.ops._registry import kernel
 from torch_tpu.runtime import fused, metrics
 from torch_tpu.runtime.executor import Program, execute
 
@@ -167,7 +168,7 @@ def _view_kernel(op: torch._ops.OpOverload):
 
 
 for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default):
-    register_kernel(_op, _view_kernel(_op), "view (meta)")
+    kernel(_op, fusable=True, how="view (meta)")(_view_kernel(_op))
 
 
 @kernel(aten.as_strided_.default, fusable=True)

@@ -158,7 +158,7 @@ def _check_cast(result: torch.dtype, out: torch.dtype) -> None:
 
 def _check_devices(name: str, *tensors: torch.Tensor) -> None:
     """Dense and sparse operands must all be tpu tensors, as on CUDA."""
-    from torch_tpu._dispatch import device_mismatch
+    from torch_tpu._meta import device_mismatch
 
     for t in tensors:
         if t.device.type != "tpu" and not (t.dim() == 0 and not t.is_sparse):

@@ -1,4 +1,8 @@
-"""The lowering table: ATen overload -> a pure function of jax arrays.
+"""The serving table: ATen overload -> a lowering (a pure function of jax arrays), or a hand kernel.
+
+Both tables are filled when the ops modules are imported; :func:`torch_tpu._dispatch.register_table`
+then registers every entry with torch once, by one rule (a hand kernel serves eager mode where an op
+has both; graphs always use the lowering), so import order decides nothing.
 
 Each lowering is written once, for the functional overload, and receives the ATen arguments as the
 schema names them, with tensors replaced by jax arrays. The dispatcher derives the in-place and
@@ -88,6 +92,53 @@ class Lowering:
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+@dataclass(frozen=True)
+class HandKernel:
+    """A kernel written against torch tensors, for an op that is not a pure array function (copies
+    between devices, storage changes, host reads, masks turned into indices).
+
+    ``fusable``: the kernel only passes arrays through the executor (copies, allocation), so fused
+    mode may record it; otherwise it runs as in strict mode inside a fused trace (it may read the
+    host). ``build``: the kernel is made at registration from the lowering adapter
+    (``build(lowering_kernel)``), for kernels that route to lowerings (boolean masks). ``how``: what
+    the serving report calls it.
+    """
+
+    fn: Callable | None
+    fusable: bool = False
+    how: str = "kernel"
+    build: Callable[[Callable], Callable] | None = None
+
+
+HAND_KERNELS: dict[torch._ops.OpOverload, HandKernel] = {}
+
+
+def _add_kernel(op: torch._ops.OpOverload | None, entry: HandKernel) -> None:
+    if op is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
+        return
+    if op in HAND_KERNELS:
+        raise ValueError(f"kernel: {op} has two hand kernels")
+    HAND_KERNELS[op] = entry
+
+
+def kernel(*ops: torch._ops.OpOverload | None, fusable: bool = False,
+           how: str = "kernel") -> Callable[[Callable], Callable]:
+    """Enters the decorated function as the hand kernel of ``ops`` (see :class:`HandKernel`)."""
+
+    def deco(fn: Callable) -> Callable:
+        for op in ops:
+            _add_kernel(op, HandKernel(fn, fusable, how))
+        return fn
+
+    return deco
+
+
+def kernel_from_lowerings(op: torch._ops.OpOverload, build: Callable[[Callable], Callable], how: str) -> None:
+    """Enters a hand kernel made at registration by ``build(lowering_kernel)``, where
+    ``lowering_kernel(op, Lowering(...), kind)`` is the adapter that serves a lowering eagerly."""
+    _add_kernel(op, HandKernel(None, True, how, build))
 
 
 def _returns_tensor(op: torch._ops.OpOverload) -> bool:

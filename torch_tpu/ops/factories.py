@@ -17,9 +17,8 @@ import numpy as np
 import torch
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.shape import program
 from torch_tpu.runtime.executor import execute
 

@@ -23,9 +23,9 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import device_mismatch, kernel, meta_outputs, to_meta
+from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))

@@ -22,9 +22,9 @@ from jax import lax
 
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import device_mismatch, kernel, lowering_kernel
+from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
-from torch_tpu.ops._registry import Lowering, aten, lower
+from torch_tpu.ops._registry import Lowering, aten, kernel, kernel_from_lowerings, lower
 from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
 
@@ -228,35 +228,39 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
     def check(self, indices, *args, **kwargs):
         _check_index_args(self, indices, name)
 
-    inner = lowering_kernel(op, Lowering(fn, check=check), kind)
-    where = lowering_kernel(op, Lowering(_mask_put), kind) if put else None
+    def build(adapt):
+        inner = adapt(op, Lowering(fn, check=check), kind)
+        where = adapt(op, Lowering(_mask_put), kind) if put else None
 
-    def run(self, indices, *args, **kwargs):
-        indices = list(indices)
-        for i in indices:
-            if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
-                site = fused.user_site() or ("<unknown>", 0)  # the user's line, however deep the wrappers
-                warnings.warn_explicit("indexing with dtype torch.uint8 is now deprecated, please use a dtype "
-                                       "torch.bool instead.", UserWarning, site[0], site[1])
-        if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
-            values = args[0] if args else kwargs["values"]
-            mask = indices[0]
-            if (
-                values.numel() == 1
-                and 0 < mask.dim() <= self.dim()
-                and tuple(mask.shape) == tuple(self.shape[: mask.dim()])
-                and values.dim() <= 1 + self.dim() - mask.dim()
-            ):
-                return where(self, indices, *args, **kwargs)
-        if any(_is_mask(i) for i in indices) or any(i is not None and not is_tpu(i) for i in indices):
-            target, indices = _expand_masks(self, indices)
-        else:
-            target = self
-        res = inner(target, indices, *args, **kwargs)
-        return self if kind == "inplace" else res
+        def run(self, indices, *args, **kwargs):
+            indices = list(indices)
+            for i in indices:
+                if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
+                    site = fused.user_site() or ("<unknown>", 0)  # the user's line, however deep the wrappers
+                    warnings.warn_explicit("indexing with dtype torch.uint8 is now deprecated, please use a dtype "
+                                           "torch.bool instead.", UserWarning, site[0], site[1])
+            if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
+                values = args[0] if args else kwargs["values"]
+                mask = indices[0]
+                if (
+                    values.numel() == 1
+                    and 0 < mask.dim() <= self.dim()
+                    and tuple(mask.shape) == tuple(self.shape[: mask.dim()])
+                    and values.dim() <= 1 + self.dim() - mask.dim()
+                ):
+                    return where(self, indices, *args, **kwargs)
+            if any(_is_mask(i) for i in indices) or any(i is not None and not is_tpu(i) for i in indices):
+                target, indices = _expand_masks(self, indices)
+            else:
+                target = self
+            res = inner(target, indices, *args, **kwargs)
+            return self if kind == "inplace" else res
 
-    run.counts_itself = True  # one of the two lowering kernels counts each call
-    kernel(op, fusable=True)(run)  # only masks read the host (and sync there); integer indices record
+        run.counts_itself = True  # one of the two lowering kernels counts each call
+        return run
+
+    # only masks read the host (and sync there); integer indices record
+    kernel_from_lowerings(op, build, "kernel")
 
 
 _mask_kernel(aten.index.Tensor, "functional", _index, put=False)

@@ -23,9 +23,8 @@ import torch
 from jax import lax
 
 from torch_tpu._compat import aten_overload
-from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor, to_cpu
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.nn import run_jax
 
 _PRECISION = {

@@ -25,9 +25,9 @@ from jax import lax
 
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import device_mismatch, register_kernel, to_meta
+from torch_tpu._meta import device_mismatch, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, write
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -194,7 +194,7 @@ for _op, _training, _reserve in (
     (aten._batch_norm_with_update_functional.default, True, True),
     (aten._batch_norm_no_update.default, False, True),
 ):
-    register_kernel(_op, _batch_norm_kernel(_op, _training, _reserve), "kernel (batch norm)")
+    kernel(_op, fusable=True, how="kernel (batch norm)")(_batch_norm_kernel(_op, _training, _reserve))
 
 
 # In a functional graph (torch.compile) the same ops return the new running statistics instead of

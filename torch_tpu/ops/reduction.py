@@ -17,9 +17,8 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.factories import _linspace_values
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))

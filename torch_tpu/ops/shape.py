@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torch_tpu._dispatch import kernel
 from torch_tpu._storage import new_tensor, read
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.indexing import index_range
 from torch_tpu.runtime.executor import Program, execute
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import metrics, settle
+from torch_tpu.runtime.errors import raise_named
 
 RECOMPILE_WARN = int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
 
@@ -309,17 +310,13 @@ def run_trace(
         _stats["hits"] += 1
         _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, want)  # a set only if explained
     entry.last_use = time.time()
-    from torch_tpu.runtime import profiler
-
     try:
-        prof = profiler.active()
+        prof = metrics.profile
         if prof is None:
             values = entry.compiled(*args)
         else:
             values = prof.timed(f"fused program {entry.fingerprint} ({entry.ops} ops)", entry.compiled, *args)
     except Exception as e:
-        from torch_tpu.runtime.executor import raise_named
-
         raise_named(e, f"the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed")
     return values, entry.slots
 
@@ -327,8 +324,6 @@ def run_trace(
 def _trace_error(e: Exception, key: Any, sites: list) -> None:
     """Raises ``e`` with its own type, naming the op (and the user's line that recorded it) whose
     lowering failed."""
-    from torch_tpu.runtime.executor import raise_named
-
     tb = e.__traceback__
     failing = None
     while tb is not None:  # the innermost replay frame knows which program was running
@@ -366,9 +361,7 @@ def _record_recompile(site: Any, why: str) -> None:
 def cache_stats() -> dict[str, Any]:
     """Requests, hits, misses and compile seconds of fused traces, overall and per entry. A
     training step that ended (its trace waits for the next op) runs first, so it is counted."""
-    from torch_tpu.runtime import fused
-
-    fused.finish_step()
+    settle.finished(pending=False)
     return {
         **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in _stats.items()},
         "entries": [
@@ -395,6 +388,9 @@ def reset_stats() -> None:
     recompiles.clear()
     _site_recompiles.clear()
     _warned_sites.clear()
+
+
+metrics.on_reset(reset_stats)
 
 
 def configure_persistent_cache() -> str | None:

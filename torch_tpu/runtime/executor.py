@@ -23,7 +23,8 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import fused, metrics, profiler
+from torch_tpu.runtime import checks, fused, metrics
+from torch_tpu.runtime.errors import raise_named
 
 
 class EagerMode(enum.Enum):
@@ -56,6 +57,9 @@ def recording() -> bool:
     """True when programs are recorded, not run: in fused mode, and in strict mode while compiled
     graphs are pending (see :func:`deferred`); never inside an :func:`eager_section`."""
     return _mode is EagerMode.FUSED or (_mode is EagerMode.STRICT and not _outer and fused.graphs_pending())
+
+
+fused.is_recording = recording
 
 
 class _ModeSetter:
@@ -193,7 +197,7 @@ def execute(program: Program, *inputs: Any) -> Any:
     if recording():
         return fused.record(program, inputs)
     try:  # outside fused mode storages hold concrete arrays (_storage.base_array sees to it)
-        prof = profiler._active
+        prof = metrics.profile
         out = program(*inputs) if prof is None else prof.timed(program.name, program, *inputs)
         if _mode is EagerMode.DEBUG:
             jax.block_until_ready(out)
@@ -202,57 +206,9 @@ def execute(program: Program, *inputs: Any) -> Any:
     return out
 
 
-# Exception classes raised by the code a program runs: Python's own (a lowering's checks raise
-# CPU's IndexError, ValueError...), and torch's, JAX's and ours. Any other class (a test's
-# timeout raised by a signal handler, a user's exception) is not an op's failure: it passes
-# through untouched.
-_OUR_MODULES = frozenset(("builtins", "jax", "jaxlib", "torch", "torch_tpu", "numpy"))
-
-
-def named_error(e: BaseException, where: str) -> BaseException:
-    """``e``'s own type with ``where`` (the op and its input signature, and for an error found at
-    a later sync point the user's line that called the op) leading its message, so that a user's
-    ``except IndexError:`` works as on CPU and the message still says which op failed. Returns
-    ``e`` itself, with ``where`` as a note, when the type can't be rebuilt from a message, and
-    unchanged when the exception is not an op's."""
-    if type(e).__module__.partition(".")[0] not in _OUR_MODULES or not e.args:
-        return e
-    text = f"{where}: {e}"
-    if isinstance(e, TypeError) and _raised_by_jax(e) and "dtype" in str(e):
-        # jax.numpy refusing a dtype (bitwise ops on floats): CPU's kernel says "not implemented
-        # for 'Float'" as a RuntimeError, so a user's except clause sees the type CPU raises
-        return RuntimeError(f"{where}: not implemented for this dtype: {e}")
-    try:
-        new = type(e)(text)
-    except Exception:
-        new = None
-    if new is None or str(new) != text:  # a class whose constructor means something else
-        e.add_note(where)
-        return e
-    return new
-
-
-def _raised_by_jax(e: BaseException) -> bool:
-    """Whether ``e`` was raised inside JAX itself (not by a lowering's own check)."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and "/jax/" in tb.tb_frame.f_code.co_filename
-
-
-def raise_named(e: BaseException, where: str) -> None:
-    """Raises :func:`named_error` of ``e``, chained to ``e`` (whose traceback is the lowering's)."""
-    new = named_error(e, where)
-    if new is e:
-        raise e
-    raise new from e
-
-
 def synchronize() -> None:
     """Runs anything recorded, waits until every queued device computation is done, and raises
     a failed value check (an out-of-range index) found on the device meanwhile."""
-    from torch_tpu.runtime import checks
-
     fused.flush()
     for d in jax.local_devices():
         try:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from torch_tpu.runtime import cache
+from torch_tpu.runtime import cache, settle
+from torch_tpu.runtime.errors import raise_named
 
 _lock = threading.RLock()  # autograd records backward ops from its own thread
 _pending: list[Node] = []
@@ -130,8 +132,6 @@ def _avals_for(program: Any, inputs: list) -> list:
         try:
             out = jax.eval_shape(program.fn, *[_spec(x) for x in inputs])
         except Exception as e:
-            from torch_tpu.runtime.executor import raise_named
-
             raise_named(e, program.name)
         if fixed is not None:
             avals = program.shapes[key] = fixed
@@ -169,11 +169,17 @@ def concrete(x: Any) -> Any:
     if x.value is None and x.error is None:
         flush()
     if x.value is None:
-        from torch_tpu.runtime.executor import raise_named
-
         raise_named(x.error, "this tensor was never computed: the fused program producing it failed")
     return x.value
 
+
+def _not_recording() -> bool:
+    return False
+
+
+# Whether programs are recorded now: the executor owns the mode and installs its own ``recording``
+# here when it is imported (the trace sits below the executor and never imports it).
+is_recording: Callable[[], bool] = _not_recording
 
 _step_ended: list = []  # holds the optimizer step's user site once a step ended, until the trace runs
 
@@ -183,9 +189,7 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     whatever the loop reads on the host. The trace runs (asynchronously) at the next recorded op,
     so the device runs this step while Python records the next; by then ``zero_grad`` has
     dropped the gradients, which are then no longer outputs of the program."""
-    from torch_tpu.runtime import executor
-
-    if executor.recording() and _pending and not _step_ended:
+    if is_recording() and _pending and not _step_ended:
         _step_ended.append(user_site())
 
 
@@ -194,6 +198,17 @@ def finish_step() -> None:
     with _lock:
         if _step_ended:
             flush(reason="optimizer step", site=_step_ended.pop())
+
+
+def _settle(pending: bool) -> None:
+    """What finishing means for the counters (:mod:`.settle`): the ended step, then with
+    ``pending`` the rest of the trace."""
+    finish_step()
+    if pending and _pending:
+        flush(reason="metrics()")
+
+
+settle.register(_settle)
 
 
 _hook: list[Any] = []  # the handle of the registered optimizer post-hook, while fused mode is on

@@ -21,7 +21,10 @@ from torch.utils import _pytree as pytree
 from torch_tpu.runtime.graphs import TPUGraph, graph
 
 
-def make(callables: Any, sample_args: Any, num_warmup_iters: int, allow_unused_input: bool, pool: Any) -> Any:
+def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
+                           allow_unused_input: bool = False, pool: Any = None) -> Any:
+    """CUDA's ``make_graphed_callables``: each callable (a module or function) becomes one whose
+    forward and backward are captured graphs, replayed per call."""
     single = not isinstance(callables, tuple)
     if single:
         callables, sample_args = (callables,), (sample_args,)

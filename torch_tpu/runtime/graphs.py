@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torch_tpu import _rng
-from torch_tpu.runtime import checks, executor, fused, metrics, profiler
+from torch_tpu.runtime import checks, executor, fused, metrics, settle
 
 _storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
@@ -218,12 +218,14 @@ class TPUGraph:
         fused.capture_hook = cap.on_flush
         _rng.capture_log = cap.rng
         _storage._capture = cap
+        settle.capturing = True
         self._opt_hook = register_optimizer_step_pre_hook(_check_optimizer)
 
     def _stop_recording(self) -> _Capture:
         cap = self._capture
         self._capture = None
         _storage._capture = None
+        settle.capturing = False
         _rng.capture_log = None
         fused.capture_hook = None
         executor.end_capture_recording()
@@ -401,7 +403,7 @@ class TPUGraph:
                 if sys.getrefcount(args[p]) > 3:  # args, its storage, getrefcount: held elsewhere too
                     args[p] = jnp.array(args[p], copy=True)
             try:
-                prof = profiler._active
+                prof = metrics.profile
                 outs = exe(*args) if prof is None else prof.timed(f"tpu graph ({self.ops} ops)", exe, *args)
             except Exception as e:
                 raise self._call_error(e, args) from e
@@ -476,13 +478,4 @@ class graph:
         self.tpu_graph.capture_end()
 
 
-def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Any = None) -> Any:
-    """CUDA's ``make_graphed_callables``: each callable (a module or function) becomes one whose
-    forward and backward are captured graphs, replayed per call. See :mod:`torch_tpu.runtime.graphed_callables`."""
-    from torch_tpu.runtime.graphed_callables import make
-
-    return make(callables, sample_args, num_warmup_iters, allow_unused_input, pool)
-
-
-__all__ = ["TPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing", "make_graphed_callables"]
+__all__ = ["TPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing"]

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
+
+from torch_tpu.runtime import settle
 
 _lock = threading.Lock()
 op_counts: collections.Counter[str] = collections.Counter()
@@ -29,27 +32,31 @@ def count_compile(name: str, seconds: float) -> None:
         compile_seconds[name] += seconds
 
 
+_on_reset: list[Callable[[], None]] = []  # other counters cleared with these (the fused cache's statistics)
+profile: Any = None  # the profile in progress (set by runtime.profiler): each program run is timed through it
+
+
+def on_reset(clear: Callable[[], None]) -> None:
+    """Registers ``clear`` to run with :func:`reset`, so the cache's statistics reset with the
+    counters without this module importing the cache."""
+    _on_reset.append(clear)
+
+
 def reset() -> None:
     """Clears every counter that ``metrics()``, ``metrics_report()`` and ``cache_stats()`` show,
     the recompilation log included (the compiled programs themselves stay cached)."""
-    from torch_tpu.runtime import cache
-
     for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes,
               eager_graphs):
         c.clear()
-    cache.reset_stats()
+    for clear in _on_reset:
+        clear()
 
 
 def metrics() -> dict[str, Any]:
     """A snapshot of the counters as plain dicts. What was recorded runs first (a deferred compiled
     graph, a fused trace), so its compilation is counted when the call it belongs to returns; under
     graph capture nothing runs, and the capture's compilation is counted at its end."""
-    from torch_tpu import _storage
-    from torch_tpu.runtime import fused
-
-    fused.finish_step()
-    if fused.pending_count() and _storage._capture is None:
-        fused.flush(reason="metrics()")
+    settle.finished(pending=True)
     return {
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
@@ -60,34 +67,3 @@ def metrics() -> dict[str, Any]:
         "transfer_bytes": dict(transfer_bytes),
         "eager_graphs": dict(eager_graphs),
     }
-
-
-def metrics_report(top: int = 15) -> str:
-    """The counters as a short human-readable report."""
-    m = metrics()
-    lines = [
-        f"ops executed: {sum(op_counts.values())} ({len(op_counts)} distinct)",
-        f"programs compiled: {m['compile_count']} in {m['compile_seconds']:.2f} s",
-    ]
-    if op_counts:
-        lines.append("top ops:")
-        lines += [f"  {n:>8}  {name}" for name, n in op_counts.most_common(top)]
-    if decomposition_counts:
-        lines.append(f"decomposed ops: {sum(decomposition_counts.values())}")
-        lines += [f"  {n:>8}  {name}" for name, n in decomposition_counts.most_common(top)]
-    from torch_tpu.runtime import cache
-
-    s = cache.cache_stats()
-    lines.append(
-        f"fused programs: {s['requests']} runs, {s['hits']} hits, "
-        f"{s['misses']} compiles in {s['compile_seconds']:.2f} s"
-    )
-    if cache.recompiles:
-        lines.append(f"recompilations: {len(cache.recompiles)}")
-        lines += [f"  {r.site}: {r.reason}" for r in cache.recompiles[-top:]]
-    if fallback_counts:
-        lines.append(f"CPU fallbacks: {sum(fallback_counts.values())}")
-        lines += [f"  {n:>8}  {name}" for name, n in fallback_counts.most_common(top)]
-    else:
-        lines.append("CPU fallbacks: none")
-    return "\n".join(lines)

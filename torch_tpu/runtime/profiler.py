@@ -15,13 +15,12 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import cache, metrics
-
-_active: Profile | None = None
+from torch_tpu.runtime import cache, executor, metrics
 
 
 def active() -> Profile | None:
-    return _active
+    """The profile in progress, if any (its slot is ``metrics.profile``, read on every program run)."""
+    return metrics.profile
 
 
 class Profile:
@@ -34,9 +33,6 @@ class Profile:
         self._start: dict[str, Any] = {}
 
     def __enter__(self) -> Profile:
-        global _active
-        from torch_tpu.runtime import executor
-
         executor.synchronize()
         if self.path is not None:
             jax.profiler.start_trace(self.path)
@@ -49,17 +45,14 @@ class Profile:
             "recompiles": len(cache.recompiles),
             "t": time.perf_counter(),
         }
-        _active = self
+        metrics.profile = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _active
-        from torch_tpu.runtime import executor
-
         try:
             executor.synchronize()
         finally:
-            _active = None
+            metrics.profile = None
             self._end = {
                 "compile_seconds": metrics.metrics()["compile_seconds"] + cache.cache_stats()["compile_seconds"],
                 "h2d": metrics.transfer_bytes["host_to_device"],

@@ -223,13 +223,15 @@ def summary(verdicts: list[Verdict]) -> dict[str, Any]:
 COMPILED_SAMPLES = 2
 
 
-def check_compiled(op, max_samples: int = COMPILED_SAMPLES) -> Verdict:
+def check_compiled(op, max_samples: int = COMPILED_SAMPLES, grads: bool = True) -> Verdict:
     """Runs one OpInfo's first samples through ``torch.compile(backend="tpu")`` and compares them
-    with CPU eager. Only ``forward`` is meaningful in the verdict.
+    with CPU eager: ``forward`` for the values, ``grad`` for the gradients, which run the backward
+    graph that AOTAutograd compiles through the same backend (``no_fallback`` is not measured).
 
     Graphs reach ops eager mode never sees (functional views such as ``view_copy``, the
-    ``with_effects`` wrapper, ops AOTAutograd keeps whole), so each op runs in a graph of its own.
-    Dynamo is reset before each sample: every sample is a fresh static-shape compile.
+    ``with_effects`` wrapper, ops AOTAutograd keeps whole, backward ops such as
+    ``convolution_backward``), so each op runs in a graph of its own. Dynamo is reset before each
+    sample: every sample is a fresh static-shape compile.
     """
     import torch._dynamo
 
@@ -241,12 +243,13 @@ def check_compiled(op, max_samples: int = COMPILED_SAMPLES) -> Verdict:
     def call(*args: Any, **kwargs: Any) -> Any:
         return op(*args, **kwargs)
 
-    try:
+    def samples(requires_grad: bool) -> list:
         torch.manual_seed(0)
-        samples = list(_take(op.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples))
-        for s in samples:
-            if _random_sample(s):
-                continue
+        got = _take(op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad), max_samples)
+        return [s for s in got if not _random_sample(s)]
+
+    try:
+        for s in samples(False):
             try:
                 *_, cpu_out = _sample_call(op, s, lambda x: x)
             except Exception:
@@ -257,6 +260,32 @@ def check_compiled(op, max_samples: int = COMPILED_SAMPLES) -> Verdict:
         v.forward = True
     except Exception as e:
         v.error = f"compiled: {type(e).__name__}: {_first_line(e)}"
+        torch._dynamo.reset()
+        return v
+    if not grads or not op.supports_autograd:
+        v.grad = v.forward
+        torch._dynamo.reset()
+        return v
+    try:
+        for s in samples(True):
+            try:
+                cin, cargs, ckw, cout = _sample_call(op, s, lambda x: x)
+                cg = _grads(cout, _leaves(cin, cargs, ckw))
+            except Exception:
+                continue
+            torch._dynamo.reset()
+            tin, targs, tkw, tout = _sample_call(torch.compile(call, backend="tpu"), s, _to_tpu)
+            tg = _grads(tout, _leaves(tin, targs, tkw))
+            if len(cg) != len(tg):
+                raise AssertionError(f"{len(cg)} gradients on CPU, {len(tg)} on tpu")
+            for a, b in zip(cg, tg):
+                if (a is None) != (b is None):
+                    raise AssertionError("a gradient is missing on one side")
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, equal_nan=True)
+        v.grad = True
+    except Exception as e:
+        v.error = f"compiled grad: {type(e).__name__}: {_first_line(e)}"
     finally:
         torch._dynamo.reset()
     return v

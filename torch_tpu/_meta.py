@@ -1,0 +1,55 @@
+"""Meta tensors standing in for tpu ones.
+
+Torch's meta kernels know every op's result shapes and dtypes, and raise CPU's errors for bad
+arguments; the dispatcher runs them once per signature, and hand kernels run them directly. This
+module holds the conversion and the call, and the error for a tensor on another device, so that the
+ops modules need nothing of the dispatcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def device_mismatch(op_name: str, other: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and "
+        f"{other}! (when checking argument for {op_name})"
+    )
+
+
+
+def to_meta(a: Any) -> Any:
+    """``a`` with each tpu tensor (and 0-dim CPU one) replaced by a meta tensor of its shape, strides and
+    dtype, and a tpu device by the meta device."""
+    if isinstance(a, torch.Tensor) and (a.device.type == "tpu" or a.dim() == 0):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(to_meta(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("meta")
+    if isinstance(a, str) and a.startswith("tpu"):
+        return "meta"
+    return a
+
+
+def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                 meta: Callable | None = None) -> list[torch.Tensor | None]:
+    """Runs torch's meta kernel (or ``meta``, standing in for it): raises CPU's errors, returns meta
+    tensors of the results, None for an undefined one (a backward's ``output_mask``)."""
+    # a generator changes no shape, and torch's reference meta kernels refuse one (exponential_)
+    out = (meta or op)(*to_meta(args), **{k: None if k == "generator" else to_meta(v) for k, v in kwargs.items()})
+    if out is None:  # an in-place op on a list (_foreach_mul_): no result
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: list[torch.Tensor | None] = []
+    for o in out:
+        if o is None or isinstance(o, torch.Tensor):
+            flat.append(o)
+        else:
+            flat.extend(o)
+    return flat
