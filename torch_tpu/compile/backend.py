@@ -104,12 +104,58 @@ GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
 def _lowering_of(target: Any) -> Any:
     lowering = LOWERINGS.get(target)
     if lowering is None and isinstance(target, torch._ops.OpOverload):
-        lowering = foreach_lowering(target)
+        lowering = foreach_lowering(target) or _python_custom_op(target)
     if lowering is None:
         why = GRAPH_UNSERVED.get(target)
         raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph"
                                   + (f": {why}" if why else ""))
     return lowering
+
+
+@functools.cache
+def _python_custom_op(target: torch._ops.OpOverload) -> Lowering | None:
+    """A custom op written in Python (``torch.library.custom_op``, such as torch's chunked
+    ``linear_cross_entropy``): graphs keep it whole, and eager mode runs its Python body op by op.
+    In a graph, the body is traced to ATen on meta tensors of the node's shapes and lowered like
+    any graph, so it joins the step's program. Its backward is whatever its registered autograd
+    formula computes, which AOTAutograd traces into the backward graph."""
+    if target.namespace in ("aten", "prims"):
+        return None
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    opdef = _maybe_get_opdef(target)
+    if opdef is None:
+        return None
+    body = opdef._init_fn
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        metas = [torch.empty(leaves[i].shape, dtype=_dtypes.to_torch(leaves[i].dtype), device="meta") for i in where]
+        single: list[bool] = []
+
+        def call(*tensors: torch.Tensor) -> tuple:
+            values = list(leaves)
+            for i, t in zip(where, tensors):
+                values[i] = t
+            a, k = tree_unflatten(values, spec)
+            out = body(*a, **k)
+            single.append(not isinstance(out, (tuple, list)))
+            return (out,) if single[-1] else tuple(out)
+
+        # functional, as AOTAutograd's graphs are: the body may write in place (mm(out=...), div_)
+        gm = make_fx(torch.func.functionalize(call, remove="mutations"),
+                     decomposition_table=_decompositions())(*metas)
+        lowered, n_random, _ = lower_graph(gm)
+        if n_random:
+            raise NotImplementedError(f"torch.compile(backend='tpu'): random ops inside the custom op {target}")
+        out = lowered([], *[leaves[i] for i in where])
+        return out[0] if single[-1] else tuple(out)
+
+    return Lowering(fn)
 
 
 def _is_random(target: Any) -> bool:

@@ -66,6 +66,8 @@ def uniform(key, self, *args, **kw):
     return (u * (jnp.asarray(hi, dt) - lo) + lo).astype(self.dtype)
 
 
+# normal_functional: the functional twin that graphs hold where a traced function wrote normal_
+@lower(aten.normal_functional.default, random=True, graph_only=True)
 @lower(aten.normal_, random=True, check=_checker("normal_", _normal_bad, "expects std >= 0.0, but found std {}"))
 def normal_(key, self, mean=0.0, std=1.0):
     dt = _float(self.dtype)
