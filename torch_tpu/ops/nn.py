@@ -1388,34 +1388,24 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     return jnp.sum(prod, axis=tuple(sumdim)) if sumdim else prod
 
 
-def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
-                              output_mask):
-    """The vjp of the forward lowering, for the results ``output_mask`` asks for."""
-    def fwd(x, g):
-        return grid_sampler_3d(x, g, interpolation_mode, padding_mode, align_corners)
+def _grid_sampler_backward(forward: Callable) -> Callable:
+    """The backward of a grid sampler: the vjp of its forward lowering (bicubic included), for the
+    results ``output_mask`` asks for."""
 
-    x, g = _acc(input), _acc(grid)
-    _, vjp = jax.vjp(fwd, x, g)
-    gx, gg = vjp(_acc(grad_output).astype(x.dtype))
-    return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+    def backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+        def fwd(x, g):
+            return forward(x, g, interpolation_mode, padding_mode, align_corners)
 
+        x, g = _acc(input), _acc(grid)
+        _, vjp = jax.vjp(fwd, x, g)
+        gx, gg = vjp(_acc(grad_output).astype(x.dtype))
+        return tuple(r for r, m in zip((gx, gg), output_mask) if m)
 
-lower(aten.grid_sampler_3d_backward.default, by_name=True)(_grid_sampler_3d_backward)
-
-
-def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
-                              output_mask):
-    """The vjp of the forward lowering (bicubic included), for the results ``output_mask`` asks for."""
-    def fwd(x, g):
-        return grid_sampler_2d(x, g, interpolation_mode, padding_mode, align_corners)
-
-    x, g = _acc(input), _acc(grid)
-    _, vjp = jax.vjp(fwd, x, g)
-    gx, gg = vjp(_acc(grad_output).astype(x.dtype))
-    return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+    return backward
 
 
-lower(aten.grid_sampler_2d_backward.default, by_name=True)(_grid_sampler_2d_backward)
+lower(aten.grid_sampler_3d_backward.default, by_name=True)(_grid_sampler_backward(grid_sampler_3d))
+lower(aten.grid_sampler_2d_backward.default, by_name=True)(_grid_sampler_backward(grid_sampler_2d))
 
 
 # ======================================================================= antialiased resampling
