@@ -90,10 +90,70 @@ def test_sampling_with_logits_processors_and_a_stopping_check_stays_bounded(mode
     assert (top5 == got.cpu()[:, 8:, None]).any(-1).all()
 
 
-def test_generate_names_the_growing_sequence_as_the_cause_of_its_recompiles(model, monkeypatch):
-    """generate() extends input_ids and the attention mask by one column per token (torch.cat): with
-    static shapes that is a program per length, even with a static cache. The reasons and the
-    warning say so, and point at the fix."""
+def _generate_counting(m, prompt, new, **kw):
+    """generate() of ``new`` tokens, with the compile count at each token (a stopping criterion
+    that reads nothing)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    counts = []
+
+    class Count(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            counts.append(torch_tpu.metrics()["compile_count"])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                         pad_token_id=0,
+                         cache_implementation="static", stopping_criteria=StoppingCriteriaList([Count()]), **kw)
+    return out, counts
+
+
+@pytest.mark.parametrize("how", ["default", "no-auto-compile", "compiled-forward"])
+def test_generate_compiles_nothing_between_the_8th_and_32nd_token(model, how):
+    """The first generate() call with a static cache: transformers' own decoding loop, unchanged.
+    The ids and the mask that grow by a column per token are small integer tensors whose shapes are
+    new at every call, so after a few lengths their ops run on the host (torch_tpu._shape_churn)
+    and every program the step needs is already compiled. Greedy tokens are CPU's."""
+    prompt = _prompt(batch=2, length=8)
+    kw = dict(do_sample=False)
+    if how == "no-auto-compile":
+        kw["disable_compile"] = True
+    m = _on_tpu(model, compiled=how == "compiled-forward")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
+                                  pad_token_id=0, do_sample=False)
+    got, counts = _generate_counting(m, prompt.to("tpu"), 32, **kw)
+    assert len(counts) == 32
+    assert counts[31] - counts[7] == 0, counts
+    assert torch.equal(got.cpu(), expected)
+    assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) > 0
+
+
+def test_sampling_generate_with_logits_processors_stays_bounded(model):
+    """Sampling with temperature and top-k and a seeded generator: bounded too, and every token is
+    one of the 5 CPU scores highest at its position."""
+    m = _on_tpu(model, compiled=False)
+    prompt = _prompt(batch=2, length=8)
+    torch.manual_seed(0)
+    got, counts = _generate_counting(m, prompt.to("tpu"), 32, do_sample=True, temperature=0.7, top_k=5)
+    assert counts[31] - counts[7] == 0, counts
+    with torch.no_grad():
+        logits = model(got.cpu()).logits[:, 7:-1]
+    logits[..., model.config.eos_token_id] = float("-inf")  # min_new_tokens rules the end of sequence out
+    top5 = logits.topk(5, dim=-1).indices
+    assert (top5 == got.cpu()[:, 8:, None]).any(-1).all()
+
+
+def test_without_the_host_path_generate_names_the_growing_sequence_as_the_cause(model, monkeypatch):
+    """With TORCH_TPU_HOST_CHURN=0, generate() extends input_ids and the attention mask by one
+    column per token (torch.cat): with static shapes that is a program per length, even with a
+    static cache. The reasons and the warning say so, and point at the fix."""
+    from torch_tpu import _shape_churn
+
+    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)
     monkeypatch.setattr(cache, "RECOMPILE_WARN", 4)
     cache._warned_sites.clear()
     cache._site_recompiles.clear()

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _rng, _storage
+from torch_tpu import _dtypes, _rng, _shape_churn, _storage
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -64,8 +64,9 @@ class _Scalar(tuple):
 
 
 # How an argument's Python numbers are treated: all static, or floats (and complex) at run time.
-# Python ints stay static: lowerings may branch on them, and they rarely change between steps.
-STATIC, FLOATS = 0, 1
+# Python ints stay static: lowerings may branch on them, and they rarely change between steps;
+# NUMBERS (``Lowering.runtime_numbers``) makes ints and bools runtime arguments too.
+STATIC, FLOATS, NUMBERS = 0, 1, 2
 
 
 def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
@@ -90,7 +91,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
             return _Scalar((a.dtype,))
         raise device_mismatch(op_name, a.device)
     t = type(a)
-    if dynamic and (t is float or t is complex):
+    if dynamic and (t is float or t is complex or (dynamic == NUMBERS and (t is int or t is bool))):
         dyn.append(a)
         return _Scalar((t,))
     if t is list or t is tuple:
@@ -123,7 +124,8 @@ class _OpKernel:
         self.lowering = lowering
         self.kind = kind  # functional | inplace | out
         schema = op._schema
-        self.dynamic = {a.name: STATIC if lowering.static_scalars else FLOATS for a in schema.arguments}
+        self.dynamic = {a.name: NUMBERS if a.name in lowering.runtime_numbers else
+                        STATIC if lowering.static_scalars else FLOATS for a in schema.arguments}
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
         positional = [a.name for a in schema.arguments if not a.kwarg_only]
         self.generator_at = positional.index("generator") if "generator" in positional else None  # poisson
@@ -187,6 +189,8 @@ class _OpKernel:
             key = (pos, ())
         entry = self.cache.get(key)
         if entry is None:
+            if self.kind == "functional" and not self.lowering.random and _shape_churn.on_host(name, key, args, kwargs):
+                return _shape_churn.run(self.op, args, kwargs)
             entry = self.cache[key] = self._build(key, args, kwargs)
         program, avals, exact = entry
         if self.lowering.random:

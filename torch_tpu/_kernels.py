@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _device, _dtypes
+from torch_tpu import _device, _dtypes, _shape_churn
 from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
     base_array,
@@ -117,6 +117,8 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if target.type != "tpu":
         raise device_mismatch("aten._to_copy", target)
     _device.check_index(target.index)
+    if _shape_churn.on_host("aten._to_copy.default", (_shape_churn.signature(self), dtype), (self,), {}):
+        return _shape_churn.run(aten._to_copy.default, (self,), {"dtype": dtype})
     out = new_tensor(tuple(self.shape), dtype)
     write(out, read(self))
     return out

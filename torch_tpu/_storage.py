@@ -306,6 +306,11 @@ def _alias_write_program(base_shape, base_dtype, view_dtype, size, stride, offse
 
 
 @functools.lru_cache(maxsize=4096)
+def _fill_program(shape, dtype) -> Program:
+    return Program(f"fill {list(shape)} {dtype}", lambda v: jnp.broadcast_to(jnp.asarray(v).astype(dtype), shape))
+
+
+@functools.lru_cache(maxsize=4096)
 def _zeros_program(shape, dtype) -> Program:
     return Program(f"zeros {list(shape)}", lambda: jnp.zeros(shape, dtype))
 
@@ -352,14 +357,11 @@ def write(t: torch.Tensor, value: Any) -> None:
         _replace(st, execute(prog, base_array(st), value))
         return
     jdt = _dtypes.to_jax(st._dtype)
-    if (
-        size == st._shape
-        and t.storage_offset() == 0
-        and t.is_contiguous()
-        and getattr(value, "dtype", None) == jdt
-        and tuple(getattr(value, "shape", ())) == size
-    ):
-        _replace(st, value)
+    if size == st._shape and t.storage_offset() == 0 and t.is_contiguous():  # the whole storage
+        if getattr(value, "dtype", None) == jdt and tuple(getattr(value, "shape", ())) == size:
+            _replace(st, value)
+        else:  # cast and broadcast only: the old contents are not read (nor made, for an empty tensor)
+            _replace(st, execute(_fill_program(size, jdt), value))
         return
     prog = _write_program(st._shape, size, tuple(t.stride()), t.storage_offset(), jdt)
     _replace(st, execute(prog, base_array(st), value))

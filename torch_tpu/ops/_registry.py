@@ -57,6 +57,10 @@ class Lowering:
     # by ``choose`` from the torch arguments (matmul precision); ``fn`` itself is the first one.
     variants: dict | None = None
     choose: Callable | None = None
+    # Arguments whose Python ints and bools are runtime arguments as well (a fill value: as a
+    # constant, a flag that flips once, such as "this sequence is done", would compile a program
+    # per value). Only for arguments no shape depends on.
+    runtime_numbers: tuple[str, ...] = ()
 
     def apply(self, key: Any, args: Sequence, kwargs: dict, outs: Sequence, name: str) -> list:
         """Calls the lowering: the one protocol of eager programs and of compiled graphs.
@@ -174,6 +178,7 @@ def lower(
     by_name: bool = False,
     variants: dict | None = None,
     choose: Callable | None = None,
+    runtime_numbers: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 
@@ -189,7 +194,7 @@ def lower(
         if variants:
             call = functools.partial(call, **next(iter(variants.values())))
         entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, not by_name, variants,
-                         choose)
+                         choose, runtime_numbers)
         for target in targets:
             if target is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
                 continue

@@ -343,7 +343,7 @@ def where(condition, self, other):
     return jnp.where(condition.astype(bool), a, b)
 
 
-@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor, runtime_numbers=("value",))
 def masked_fill(self, mask, value):
     return jnp.where(mask.astype(bool), jnp.asarray(value).astype(self.dtype), self)
 
@@ -685,7 +685,7 @@ def sinc(self):
     return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
 
 
-@lower(aten.fill.Scalar, aten.fill.Tensor)
+@lower(aten.fill.Scalar, aten.fill.Tensor, runtime_numbers=("value",))
 def fill(self, value):
     return jnp.broadcast_to(jnp.asarray(value).astype(self.dtype), self.shape)
 

@@ -16,6 +16,8 @@ _lock = threading.Lock()
 op_counts: collections.Counter[str] = collections.Counter()
 fallback_counts: collections.Counter[str] = collections.Counter()
 decomposition_counts: collections.Counter[str] = collections.Counter()
+# ops run on the host CPU because their (small, integer) shapes changed at every call (torch_tpu._shape_churn)
+host_op_counts: collections.Counter[str] = collections.Counter()
 compile_counts: collections.Counter[str] = collections.Counter()
 compile_seconds: collections.Counter[str] = collections.Counter()
 transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
@@ -45,8 +47,8 @@ def on_reset(clear: Callable[[], None]) -> None:
 def reset() -> None:
     """Clears every counter that ``metrics()``, ``metrics_report()`` and ``cache_stats()`` show,
     the recompilation log included (the compiled programs themselves stay cached)."""
-    for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes,
-              eager_graphs):
+    for c in (op_counts, fallback_counts, decomposition_counts, host_op_counts, compile_counts, compile_seconds,
+              transfer_bytes, eager_graphs):
         c.clear()
     for clear in _on_reset:
         clear()
@@ -61,6 +63,7 @@ def metrics() -> dict[str, Any]:
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
         "decomposition_counts": dict(decomposition_counts),
+        "host_op_counts": dict(host_op_counts),
         "compile_count": sum(compile_counts.values()),  # every XLA program: per-op ones and fused traces
         "fused_compile_count": sum(n for k, n in compile_counts.items() if k.startswith("fused program ")),
         "compile_seconds": round(sum(compile_seconds.values()), 4),

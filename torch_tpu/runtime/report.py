@@ -22,6 +22,9 @@ def metrics_report(top: int = 15) -> str:
     if metrics.decomposition_counts:
         lines.append(f"decomposed ops: {sum(metrics.decomposition_counts.values())}")
         lines += [f"  {n:>8}  {name}" for name, n in metrics.decomposition_counts.most_common(top)]
+    if metrics.host_op_counts:
+        lines.append(f"ops on the host (shapes new at every call): {sum(metrics.host_op_counts.values())}")
+        lines += [f"  {n:>8}  {name}" for name, n in metrics.host_op_counts.most_common(top)]
     s = cache.cache_stats()
     lines.append(
         f"fused programs: {s['requests']} runs, {s['hits']} hits, "

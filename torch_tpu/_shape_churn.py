@@ -1,0 +1,133 @@
+"""Small ops whose shapes change at every call run on the host instead of compiling each shape.
+
+XLA compiles one program per set of shapes. Most ops see a handful of shapes in a process, but the
+bookkeeping around a decoding loop does not: ``generate()`` extends the token ids and the attention
+mask by one column per token (``torch.cat``) and reads the last column of each (a view whose base
+grows), so each of those ops has a new shape, or a view at a new offset, at every token. Compiling
+them costs tenths of a second per token, while the tensors hold a few dozen integers.
+
+So the dispatcher asks here when an op misses its program cache (never on the hot path of a hit).
+Only integer and boolean tensors qualify (ids, masks, positions: a model's activations never take
+this path), each of at most ``MAX_ELEMENTS`` elements, views counted by the storage they read. An
+op *pattern*, the op at one source line of the caller with its arguments' ranks and dtypes (the
+shapes and Python ints left out), that has already compiled ``TORCH_TPU_HOST_CHURN`` (default 3)
+distinct signatures is churning: a layer that runs one line at a few shapes stays compiled, a line
+that sees a new shape at every call does not. From then on each new signature of the pattern runs
+on the host CPU: torch's own CPU kernel on host copies of its inputs, its results uploaded (a
+transfer, not a compile). Inputs uploaded from the host keep
+their host copy, so a chain of such ops (the ids extended every token) reads no device memory; an
+input computed on the device is read, a sync like the one ``generate()`` makes per token anyway.
+
+Results are CPU's, bit for bit. Each such run is counted in ``metrics()["host_op_counts"]``.
+In-place and ``out=`` forms, random ops, graph capture and big tensors always compile.
+``TORCH_TPU_HOST_CHURN=0`` turns the host path off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch_tpu import _dtypes, _storage
+from torch_tpu.runtime import checks, fused, metrics
+
+CHURN_AFTER = int(os.environ.get("TORCH_TPU_HOST_CHURN", "3"))
+MAX_ELEMENTS = 4096
+
+_signatures: dict[tuple, set] = {}  # pattern -> distinct signatures compiled, until it churns
+_churning: set[tuple] = set()
+
+
+def _pattern(spec: Any) -> Any:
+    """A signature with every shape reduced to its rank and every Python int to ``int``."""
+    if isinstance(spec, tuple):
+        kind = type(spec).__name__
+        if kind == "_Tensor":
+            return ("T", len(spec[0]), spec[1])
+        if kind == "_View":
+            return ("V", len(spec[0]), spec[1], len(spec[2]))
+        if spec and spec[0] == "V" and len(spec) == 5:  # signature() of a hand kernel's tensor
+            return ("V", len(spec[1]), spec[2], len(spec[3]))
+        if kind == "_Empty":
+            return ("E", len(spec[0]), spec[1])
+        return tuple(_pattern(s) for s in spec)
+    if type(spec) is int:
+        return int
+    return spec
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """A hand kernel's stand-in for the dispatcher's signature of tensor ``t``: its shape and dtype,
+    and for a view its base's shape and offset (``_View``-like, so :func:`_pattern` reduces it)."""
+    st = t.untyped_storage()
+    return ("V", tuple(t.shape), t.dtype, st._shape, t.storage_offset())
+
+
+def _small_integers(args: tuple, kwargs: dict) -> bool:
+    found = False
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor) and _storage.is_tpu(a):
+            if a.dtype.is_floating_point or a.dtype.is_complex or a.requires_grad:
+                return False
+            st = a.untyped_storage()
+            if a.numel() > MAX_ELEMENTS or int(np.prod(st._shape, dtype=np.int64)) > MAX_ELEMENTS:
+                return False
+            found = True
+    return found
+
+
+def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this cache miss of op ``name`` (signature ``key``) runs on the host (see the module
+    docstring). A signature that compiles is remembered towards its pattern's count."""
+    if CHURN_AFTER <= 0 or _storage._capture is not None or not _small_integers(args, kwargs):
+        return False
+    pattern = (name, fused.user_site(), _pattern(key))
+    if pattern not in _churning:
+        seen = _signatures.setdefault(pattern, set())
+        seen.add(key)
+        if len(seen) <= CHURN_AFTER:
+            return False
+        _churning.add(pattern)
+        del _signatures[pattern]
+    return True
+
+
+def _host_value(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of tpu tensor ``t`` that compiles nothing: its host copy when it was uploaded,
+    else its whole storage read to the host (a sync) and viewed there."""
+    data = _storage.host_copy(t)
+    if data is None:
+        st = t.untyped_storage()
+        if t.dtype != st._dtype:  # another element type over the storage: an ordinary read
+            return _storage.to_cpu(t)
+        base = np.asarray(fused.concrete(_storage.base_array(st)))
+        metrics.transfer_bytes["device_to_host"] += base.nbytes
+        checks.raise_pending()
+        flat = base.reshape(-1)
+        strides = tuple(s * flat.itemsize for s in t.stride())
+        data = np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape), strides, writeable=False)
+    return _dtypes.numpy_to_cpu(np.array(data), t.dtype).reshape(t.shape)
+
+
+def _to_host(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and _storage.is_tpu(a):
+        return _host_value(a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
+    return a
+
+
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``op`` computed by torch on the CPU, its results uploaded as tpu tensors."""
+    from torch_tpu._fallback import _from_cpu
+
+    metrics.host_op_counts[str(op)] += 1
+    flat, spec = tree_flatten((args, kwargs))
+    cargs, ckwargs = tree_unflatten([_to_host(a) for a in flat], spec)
+    if isinstance(ckwargs.get("device"), str) and ckwargs["device"].startswith("tpu"):
+        ckwargs["device"] = torch.device("cpu")
+    return _from_cpu(op(*cargs, **ckwargs))
