@@ -245,3 +245,70 @@ def test_clamp_out_twin_keeps_the_bounds_check():
     assert torch.clamp(x, 1, 3, out=out).cpu().tolist() == [1, 1, 2, 3, 3, 3]
     with pytest.raises(RuntimeError, match="At least one of 'min' or 'max' must not be None"):
         torch.clamp(x, out=out)
+
+
+def _cpu_error(f):
+    with pytest.raises(Exception) as err:
+        f("cpu")
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("pool", ["AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool3d"])
+def test_adaptive_pooling_refuses_integers_as_cpu(pool, dtype):
+    """torch's meta kernels accept integer inputs; CPU's kernels raise NotImplementedError."""
+    dims = 2 if pool.endswith("2d") else 3
+    mod = getattr(torch.nn, pool)((2,) * dims)
+
+    def run(device):
+        return mod(torch.randint(0, 9, (3,) + (4,) * dims, device=device).to(dtype))
+
+    cpu = _cpu_error(run)
+    with pytest.raises(cpu.type, match="not implemented for"):
+        run("tpu")
+
+
+@pytest.mark.parametrize("kernel, out, what", [((), (3, 3), "kernel_size"), ((2, 2), (3,), "output_size")])
+def test_fractional_pooling_size_checks_say_what_cpu_says(kernel, out, what):
+    x = torch.randn(2, 7, 7)
+    samples = torch.rand(1, 2, 2, dtype=x.dtype)
+    with pytest.raises(RuntimeError, match=f"{what} must either be a single Int"):
+        torch.ops.aten.fractional_max_pool2d(x, list(kernel), list(out), samples)
+    with pytest.raises(RuntimeError, match=f"{what} must either be a single Int"):
+        torch.ops.aten.fractional_max_pool2d(x.to("tpu"), list(kernel), list(out), samples.to("tpu"))
+
+
+def test_fractional_pooling_3d_checks_the_samples():
+    def run(device):
+        mod = torch.nn.FractionalMaxPool3d([3, 2, 2], output_size=[1, 1, 1],
+                                           _random_samples=torch.rand(0, 4, 3, device=device))
+        return mod(torch.randn(1, 4, 6, 5, 5, device=device))
+
+    cpu = _cpu_error(run)
+    with pytest.raises(cpu.type, match="Expect _random_samples.size"):
+        run("tpu")
+
+
+def test_meta_messages_read_as_cpus():
+    """A Python meta kernel's message built from an indented string comes out with single spaces."""
+    x = torch.randn(1, 8, 5, 4, requires_grad=True)
+    pattern = "Expected grad_output to have non-zero size for non-batch dimensions"
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=pattern):
+            torch.nn.functional.adaptive_avg_pool2d(x.detach().to(device).requires_grad_(), 0).sum().backward()
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: torch.nn.FractionalMaxPool2d(3, output_ratio=(0.5, 0.5))(x),
+    lambda x: torch.nn.functional.max_unpool2d(*torch.nn.functional.max_pool2d(x, 2, return_indices=True), 2),
+    lambda x: torch.nn.functional.adaptive_max_pool2d(x, 3),
+    lambda x: torch.nn.functional.avg_pool2d(x, 3, stride=2),
+], ids=["fractional_max_pool2d", "max_unpool2d", "adaptive_max_pool2d", "avg_pool2d"])
+def test_zero_batch_gives_empty_results_and_gradients(f):
+    """Results with no elements need no kernel: window and modulo arithmetic never see a zero size."""
+    x = torch.randn(0, 3, 10, 8)
+    t = x.to("tpu").requires_grad_()
+    expected, out = f(x), f(t)
+    assert out.shape == expected.shape
+    out.sum().backward()
+    assert t.grad.shape == x.shape

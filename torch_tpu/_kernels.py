@@ -19,7 +19,9 @@ from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
     base_array,
     contiguous_strides,
+    dense_layout,
     is_tpu,
+    new_strided,
     new_tensor,
     read,
     read_array,
@@ -56,14 +58,28 @@ def _check_size(op: str, size) -> tuple[int, ...]:
 @kernel(aten.empty.memory_format, fusable=True)
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     _check_device(device)
-    return new_tensor(_check_size("empty", size), dtype or torch.get_default_dtype())
+    shape = _check_size("empty", size)
+    dtype = dtype or torch.get_default_dtype()
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        return new_tensor(shape, dtype)
+    stride = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())  # raises as CPU
+    return _strided(shape, stride, dtype)
 
 
 @kernel(aten.empty_strided.default, fusable=True)
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    # XLA arrays are dense: the result is contiguous whatever stride was asked (as on XLA devices).
+    """Dense strides (channels_last, a permutation: what empty_like and autograd's gradient layout
+    ask for) are kept; an overlapping or gapped layout is made contiguous (XLA arrays are dense)."""
     _check_device(device)
-    return new_tensor(_check_size("empty_strided", size), dtype or torch.get_default_dtype())
+    return _strided(_check_size("empty_strided", size), tuple(stride), dtype or torch.get_default_dtype())
+
+
+def _strided(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if stride != contiguous_strides(shape):
+        storage_shape = dense_layout(shape, stride)
+        if storage_shape is not None:
+            return new_strided(shape, stride, storage_shape, dtype, None)
+    return new_tensor(shape, dtype)
 
 
 def host_to_device(t: torch.Tensor) -> Any:
@@ -108,7 +124,17 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         if self.device.type != "cpu":
             raise device_mismatch("aten._to_copy", self.device)
         _device.check_index(target.index)
-        return new_tensor(tuple(self.shape), dtype, host_to_device(self.to(dtype)))
+        shape, stride = tuple(self.shape), tuple(self.stride())
+        if memory_format in (None, torch.preserve_format) and stride != contiguous_strides(shape):
+            storage_shape = dense_layout(shape, stride)
+            if storage_shape is not None:  # channels_last stays so, as a copy to CUDA does
+                perm = sorted(range(len(shape)), key=lambda d: -stride[d])
+                value = host_to_device(self.to(dtype).permute(perm))
+                return new_strided(shape, stride, storage_shape, dtype, value)
+        elif memory_format not in (None, torch.preserve_format):
+            self = self.contiguous(memory_format=memory_format)
+            return _to_copy(self, dtype=dtype, device=target, non_blocking=non_blocking)
+        return new_tensor(shape, dtype, host_to_device(self.to(dtype)))
     if target.type == "cpu":
         out = to_cpu(self).to(dtype)
         if memory_format not in (None, torch.preserve_format):
@@ -117,9 +143,14 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if target.type != "tpu":
         raise device_mismatch("aten._to_copy", target)
     _device.check_index(target.index)
-    if _shape_churn.on_host("aten._to_copy.default", (_shape_churn.signature(self), dtype), (self,), {}):
+    if self.is_contiguous() and _shape_churn.on_host(
+            "aten._to_copy.default", (_shape_churn.signature(self), dtype), (self,), {}):
         return _shape_churn.run(aten._to_copy.default, (self,), {"dtype": dtype})
-    out = new_tensor(tuple(self.shape), dtype)
+    if self.is_contiguous() or memory_format not in (None, torch.preserve_format):
+        out = _empty(tuple(self.shape), dtype, memory_format=memory_format)
+    else:  # preserve_format: a dense layout (channels_last) is kept, as on CPU
+        like = torch.empty_like(torch.empty_strided(self.shape, self.stride(), device="meta"))
+        out = _strided(tuple(self.shape), tuple(like.stride()), dtype)
     write(out, read(self))
     return out
 

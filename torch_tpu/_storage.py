@@ -55,6 +55,33 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) ->
     return t
 
 
+def dense_layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The storage shape of a dense, non-overlapping strided layout (``channels_last``, a permuted
+    ``empty_like``): the sizes from the largest stride to the smallest. None for any other layout
+    (overlapping, or with gaps), which a fresh result cannot have."""
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    if 0 not in shape:
+        acc = 1
+        for d in reversed(order):
+            if shape[d] != 1:
+                if stride[d] != acc:
+                    return None
+                acc *= shape[d]
+    return tuple(shape[d] for d in order)
+
+
+def new_strided(shape: tuple[int, ...], stride: tuple[int, ...], storage_shape: tuple[int, ...],
+                dtype: torch.dtype, value: Any) -> torch.Tensor:
+    """A fresh tpu tensor of ``shape`` and ``stride`` (a :func:`dense_layout`) whose storage holds
+    ``value``, already laid out in ``storage_shape``: not a view, as CPU's ``channels_last``
+    results are not."""
+    t = new_tensor(storage_shape, dtype, value)
+    torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
+        DK.Meta, t, t.untyped_storage(), 0, list(shape), list(stride)
+    )
+    return t
+
+
 TPU_DEVICE = torch.device("tpu", 0)  # the one device (see the README): comparing with it is 4x faster than .type
 
 

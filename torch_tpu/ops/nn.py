@@ -517,9 +517,29 @@ def _adaptive_avg(self, output_size):
     return values.sum(-1) / jnp.asarray(valid.sum(-1), x.dtype)
 
 
-@lower(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+_CPU_DTYPE_NAMES = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+                    torch.int64: "Long", torch.bool: "Bool"}
+
+
+def _floating_meta(op: torch._ops.OpOverload, kernel_name: str) -> Callable:
+    """torch's meta kernel of an adaptive pooling accepts integer inputs, CPU's kernel does not:
+    this stand-in raises CPU's NotImplementedError first (a RuntimeError subclass, as in torch)."""
+
+    def meta(self, *args, **kwargs):
+        if self.dtype in _CPU_DTYPE_NAMES:
+            raise NotImplementedError(f'"{kernel_name}" not implemented for \'{_CPU_DTYPE_NAMES[self.dtype]}\'')
+        return op(self, *args, **kwargs)
+
+    return meta
+
+
 def adaptive_avg_pool(self, output_size):
     return _adaptive_avg(self, output_size)
+
+
+for _op, _name in ((aten._adaptive_avg_pool2d.default, "adaptive_avg_pool2d"),
+                   (aten._adaptive_avg_pool3d.default, "adaptive_avg_pool3d_cpu")):
+    lower(_op, meta=_floating_meta(_op, _name))(adaptive_avg_pool)
 
 
 def _adaptive_avg_backward(n: int) -> Callable:
@@ -543,9 +563,13 @@ def _adaptive_max(self, output_size):
     return best, idx
 
 
-@lower(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
 def adaptive_max_pool(self, output_size):
     return _adaptive_max(self, output_size)
+
+
+for _op, _name in ((aten.adaptive_max_pool2d.default, "adaptive_max_pool2d"),
+                   (aten.adaptive_max_pool3d.default, "adaptive_max_pool3d_cpu")):
+    lower(_op, meta=_floating_meta(_op, _name))(adaptive_max_pool)
 
 
 @lower(aten.adaptive_max_pool2d_backward.default)
@@ -1615,12 +1639,34 @@ def _fractional_max_pool(x, kernel_size, output_size, random_samples, n: int):
     return (best, idx) if batched else (best[0], idx[0])
 
 
-@lower(aten.fractional_max_pool2d.default)
+def _fractional_meta(op: torch._ops.OpOverload, n: int) -> Callable:
+    """CPU's checks of the window and output sizes, with CPU's words (torch's meta kernel runs two
+    of them together, "musteither"), then torch's meta kernel."""
+    ints = "Ints" if n == 2 else "three Ints"
+
+    def meta(self, kernel_size, output_size, random_samples):
+        for what, v in (("kernel_size", kernel_size), ("output_size", output_size)):
+            if len(v) != n:
+                raise RuntimeError(f"fractional_max_pool{n}d: {what} must either be a single Int or tuple of {ints}")
+        if n == 3:  # torch's 3-d meta kernel does not check the samples as CPU does
+            batch, planes = (self.shape[0], self.shape[1]) if self.dim() == 5 else (1, self.shape[0])
+            if random_samples.shape[0] < batch:
+                raise RuntimeError("Expect _random_samples.size(0) no less then input batch size.")
+            if random_samples.shape[1] != planes:
+                raise RuntimeError("Expect _random_samples.size(1) equals to input channel size.")
+            if random_samples.shape[2] != 3:
+                raise RuntimeError(f"Expect _random_samples.size(2) equals to 3; got {random_samples.shape[2]}.")
+        return op(self, kernel_size, output_size, random_samples)
+
+    return meta
+
+
+@lower(aten.fractional_max_pool2d.default, meta=_fractional_meta(aten.fractional_max_pool2d.default, 2))
 def fractional_max_pool2d(self, kernel_size, output_size, random_samples):
     return _fractional_max_pool(self, kernel_size, output_size, random_samples, 2)
 
 
-@lower(aten.fractional_max_pool3d.default)
+@lower(aten.fractional_max_pool3d.default, meta=_fractional_meta(aten.fractional_max_pool3d.default, 3))
 def fractional_max_pool3d(self, kernel_size, output_size, random_samples):
     return _fractional_max_pool(self, kernel_size, output_size, random_samples, 3)
 
@@ -1630,6 +1676,11 @@ def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, 
     return scatter_to_input(_acc(grad_output), self.shape, indices, 2)
 
 
-@lower(aten.fractional_max_pool3d_backward.default)
+def _like_input_meta(grad_output, self, *args, **kwargs):
+    """torch has no meta kernel here: the gradient has the input's shape and dtype."""
+    return torch.empty_like(self)
+
+
+@lower(aten.fractional_max_pool3d_backward.default, meta=_like_input_meta)
 def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
     return scatter_to_input(_acc(grad_output), self.shape, indices, 3)

@@ -1,0 +1,111 @@
+"""Memory layout of results: a tpu result has the strides CPU gives it.
+
+PyTorch's ops lay a fresh result out after their inputs (TensorIterator follows the input's
+dimension order, ``empty_like`` keeps a dense layout). Code checks this, e.g.
+``out.is_contiguous(memory_format=torch.channels_last)`` after a dropout or a pooling, and
+autograd's gradient-layout contract makes a parameter's ``.grad`` take the parameter's strides.
+On tpu the storage's array is held in the result's physical order and the tensor gets the meta
+kernel's strides over it, so these answers are CPU's.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_tpu  # noqa: F401
+
+CL = torch.channels_last
+
+
+def _nhwc(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).contiguous(memory_format=CL)
+
+
+def _same_layout(cpu: torch.Tensor, tpu: torch.Tensor) -> None:
+    assert tpu.device.type == "tpu"
+    assert tpu.shape == cpu.shape
+    assert tpu.stride() == cpu.stride(), (tpu.stride(), cpu.stride())
+    assert not tpu._is_view() and tpu._base is None  # a fresh result, not a view of something
+    torch.testing.assert_close(tpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: a + 1,
+        lambda a: a.relu(),
+        lambda a: a * a.sigmoid(),
+        lambda a: a.clone(),
+        lambda a: a.double(),
+        lambda a: F.avg_pool2d(a, 2),
+        lambda a: F.max_pool2d(a, 2),
+        lambda a: F.adaptive_avg_pool2d(a, 1),
+    ],
+    ids=["add", "relu", "silu", "clone", "to_double", "avg_pool2d", "max_pool2d", "adaptive_avg_pool2d"],
+)
+def test_channels_last_results_keep_cpu_strides(fn):
+    x = _nhwc(2, 3, 6, 6)
+    _same_layout(fn(x), fn(x.to("tpu")))
+
+
+def test_transfer_keeps_channels_last_both_ways():
+    x = _nhwc(2, 3, 4, 5)
+    t = x.to("tpu")
+    assert t.stride() == x.stride() and t.is_contiguous(memory_format=CL)
+    assert torch.equal(t.cpu(), x)
+    assert x.to("tpu", memory_format=torch.contiguous_format).is_contiguous()
+
+
+def test_factories_with_memory_format():
+    e = torch.empty(2, 3, 4, 5, device="tpu", memory_format=CL)
+    assert e.stride() == torch.empty(2, 3, 4, 5, memory_format=CL).stride()
+    like = torch.empty_like(_nhwc(2, 3, 4, 5).to("tpu"))
+    assert like.is_contiguous(memory_format=CL)
+    s = torch.empty_strided((2, 3, 4), (1, 2, 6), device="tpu")  # a dense permutation: kept
+    assert s.stride() == (1, 2, 6)
+    gap = torch.empty_strided((2, 3), (6, 2), device="tpu")  # not dense: made contiguous
+    assert gap.shape == (2, 3)
+
+
+def test_clone_and_contiguous_to_a_memory_format():
+    x = torch.randn(2, 3, 4, 5)
+    t = x.to("tpu")
+    a, b = x.clone(memory_format=CL), t.clone(memory_format=CL)
+    _same_layout(a, b)
+    assert t.contiguous(memory_format=CL).stride() == a.stride()
+    assert t.clone().is_contiguous()  # the same op on a contiguous input stays contiguous
+
+
+def test_permuted_input_gives_permuted_result():
+    x = torch.randn(4, 5, 6).permute(2, 0, 1)
+    _same_layout(x * 2, x.to("tpu") * 2)
+
+
+def test_dropout_keeps_layout_and_grad_follows_parameter():
+    x = _nhwc(2, 4, 3, 3).to("tpu").requires_grad_()
+    out = F.dropout(x, 0.3, training=True)
+    assert out.is_contiguous(memory_format=CL)
+    out.backward(torch.ones(2, 4, 3, 3, device="tpu"))  # a contiguous gradient
+    assert x.grad.is_contiguous(memory_format=CL)  # laid out like x, as on CPU
+    kept = (out != 0).cpu()
+    torch.testing.assert_close(x.grad.cpu()[kept], torch.full_like(x.grad.cpu()[kept], 1 / 0.7))
+
+
+def test_writes_into_a_channels_last_result():
+    x = _nhwc(2, 3, 4, 5)
+    c, t = x + 1, x.to("tpu") + 1
+    c[:, 1].mul_(3)
+    t[:, 1].mul_(3)
+    c.add_(torch.arange(5.0))
+    t.add_(torch.arange(5.0, device="tpu"))
+    _same_layout(c, t)
+    assert torch.equal(t.sum(1).cpu(), c.sum(1))
+
+
+def test_layout_in_fused_mode():
+    x = _nhwc(2, 3, 4, 4)
+    with torch_tpu.set_eager_mode("fused"):
+        t = x.to("tpu")
+        r = (t * 2).relu()
+        assert r.is_contiguous(memory_format=CL)
+        torch.testing.assert_close(r.cpu(), (x * 2).relu())
