@@ -60,11 +60,15 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
     values while ``start`` and ``step`` stay runtime inputs, so a new start never recompiles."""
     start, end, step = (x.item() if isinstance(x, torch.Tensor) else x for x in _arange_args(*args))
     _check_arange(start, end, step)
-    meta = aten.arange.start_step(start, end, step, dtype=dtype, device="meta")  # CPU's dtype and length
-    n = meta.shape[0]
-    acc = np.int64 if _all_int(start, end, step) else np.float64
-    fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(meta.dtype))
-    return new_tensor((n,), meta.dtype, execute(fn, acc(start), acc(step)))
+    integral = _all_int(start, end, step)
+    if integral and dtype in (None, torch.int64):  # the common case, without the meta kernel's cost
+        n, out_dtype = max(0, -((start - end) // step)), torch.int64  # ceil((end - start) / step), exactly
+    else:
+        meta = aten.arange.start_step(start, end, step, dtype=dtype, device="meta")  # CPU's dtype and length
+        n, out_dtype = meta.shape[0], meta.dtype
+    acc = np.int64 if integral else np.float64
+    fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(out_dtype))
+    return new_tensor((n,), out_dtype, execute(fn, acc(start), acc(step)))
 
 
 def _linspace_values(start, end, steps: int):
