@@ -1,0 +1,63 @@
+"""The host path for small integer ops whose shapes are new at every call (torch_tpu._shape_churn),
+against CPU: the same values, no compiles once an op line churns, and nothing else affected."""
+
+from __future__ import annotations
+
+import torch
+
+import torch_tpu
+
+
+def _grow(device, steps, dtype=torch.int64):
+    """A sequence extended by a column per step, its last column read back, as a decoding loop does."""
+    ids = torch.zeros(2, 3, dtype=dtype, device=device)
+    lasts, compiles = [], []
+    for i in range(steps):
+        new = (ids[:, -1:] + i + 1) % 7  # a view of a growing base, and a changing Python int
+        ids = torch.cat([ids, new], dim=-1)
+        lasts.append(ids[:, -1].clone())
+        if device != "cpu":
+            compiles.append(torch_tpu.metrics()["compile_count"])
+    return ids, lasts, compiles
+
+
+def test_a_growing_integer_sequence_stops_compiling_and_matches_cpu():
+    before = dict(torch_tpu.metrics()["host_op_counts"])
+    got, lasts, compiles = _grow("tpu", 12)
+    want, want_lasts, _ = _grow("cpu", 12)
+    assert torch.equal(got.cpu(), want)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(lasts, want_lasts))
+    assert compiles[-1] - compiles[5] == 0, compiles
+    after = torch_tpu.metrics()["host_op_counts"]
+    assert after.get("aten.cat.default", 0) > before.get("aten.cat.default", 0)
+    assert "host" in torch_tpu.metrics_report()
+
+
+def test_floating_point_tensors_always_compile():
+    before = sum(torch_tpu.metrics()["host_op_counts"].values())
+    x = torch.zeros(2, 1, device="tpu")
+    for _ in range(6):
+        x = torch.cat([x, x[:, -1:] + 0.5], dim=-1)
+    assert torch.allclose(x.cpu(), torch.arange(7).float().mul(0.5).expand(2, 7))
+    assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
+
+
+def test_one_line_at_a_few_shapes_stays_on_the_device():
+    """A layer that runs one line at three shapes (three resolutions, say) keeps its programs."""
+    before = sum(torch_tpu.metrics()["host_op_counts"].values())
+    for _ in range(3):
+        for n in (4, 8, 16):
+            y = torch.arange(n, device="tpu") * 3 + 1
+    assert torch.equal(y.cpu(), torch.arange(16) * 3 + 1)
+    assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
+
+
+def test_the_host_path_can_be_turned_off(monkeypatch):
+    from torch_tpu import _shape_churn
+
+    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)
+    before = sum(torch_tpu.metrics()["host_op_counts"].values())
+    got, _, compiles = _grow("tpu", 8)
+    assert torch.equal(got.cpu(), _grow("cpu", 8)[0])
+    assert compiles[-1] > compiles[4]  # every length compiles again
+    assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
