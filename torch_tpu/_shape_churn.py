@@ -9,14 +9,16 @@ them costs tenths of a second per token, while the tensors hold a few dozen inte
 So the dispatcher asks here when an op misses its program cache (never on the hot path of a hit).
 Only integer and boolean tensors qualify (ids, masks, positions: a model's activations never take
 this path), each of at most ``MAX_ELEMENTS`` elements, views counted by the storage they read. An
-op *pattern*, the op at one source line of the caller with its arguments' ranks and dtypes (the
-shapes and Python ints left out), that has already compiled ``TORCH_TPU_HOST_CHURN`` (default 3)
-distinct signatures is churning: a layer that runs one line at a few shapes stays compiled, a line
-that sees a new shape at every call does not. From then on each new signature of the pattern runs
-on the host CPU: torch's own CPU kernel on host copies of its inputs, its results uploaded (a
-transfer, not a compile). Inputs uploaded from the host keep
-their host copy, so a chain of such ops (the ids extended every token) reads no device memory; an
-input computed on the device is read, a sync like the one ``generate()`` makes per token anyway.
+op *pattern* is the op at one source line of the caller with its arguments' ranks and dtypes (the
+sizes, offsets and Python ints left out). It churns when ``TORCH_TPU_HOST_CHURN`` (default 3)
+successive signatures of it step by the same amount: the numbers of each (sizes, strides, offsets,
+ints) minus those of the one before are the same non-zero vector, as when a sequence grows by a
+token per call. A layer that runs one line at a few shapes, or a training loop whose batches have
+random lengths, does not churn and stays compiled. From then on each new signature of a churning
+pattern runs on the host CPU: torch's own CPU kernel on host copies of its inputs, its results
+uploaded (a transfer, not a compile). Inputs uploaded from the host keep their host copy, so a
+chain of such ops (the ids extended every token) reads no device memory; an input computed on the
+device is read, a sync like the one ``generate()`` makes per token anyway.
 
 Results are CPU's, bit for bit. Each such run is counted in ``metrics()["host_op_counts"]``.
 In-place and ``out=`` forms, random ops, graph capture and big tensors always compile.
@@ -38,7 +40,8 @@ from torch_tpu.runtime import checks, fused, metrics
 CHURN_AFTER = int(os.environ.get("TORCH_TPU_HOST_CHURN", "3"))
 MAX_ELEMENTS = 4096
 
-_signatures: dict[tuple, set] = {}  # pattern -> distinct signatures compiled, until it churns
+# pattern -> (the numbers of its last signature, the step from the one before, how many steps in a row)
+_progress: dict[tuple, tuple[tuple, tuple | None, int]] = {}
 _churning: set[tuple] = set()
 
 
@@ -58,6 +61,16 @@ def _pattern(spec: Any) -> Any:
     if type(spec) is int:
         return int
     return spec
+
+
+def _numbers(spec: Any, out: list) -> list:
+    """Every int of a signature, in order: sizes, strides, offsets, Python ints."""
+    if isinstance(spec, tuple):
+        for s in spec:
+            _numbers(s, out)
+    elif type(spec) is int:
+        out.append(spec)
+    return out
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -82,17 +95,23 @@ def _small_integers(args: tuple, kwargs: dict) -> bool:
 
 def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
     """Whether this cache miss of op ``name`` (signature ``key``) runs on the host (see the module
-    docstring). A signature that compiles is remembered towards its pattern's count."""
+    docstring). A signature that compiles is remembered towards its pattern's progression."""
     if CHURN_AFTER <= 0 or _storage._capture is not None or not _small_integers(args, kwargs):
         return False
     pattern = (name, fused.user_site(), _pattern(key))
     if pattern not in _churning:
-        seen = _signatures.setdefault(pattern, set())
-        seen.add(key)
-        if len(seen) <= CHURN_AFTER:
+        numbers = tuple(_numbers(key, []))
+        last = _progress.get(pattern)
+        if last is None or len(last[0]) != len(numbers):
+            _progress[pattern] = (numbers, None, 0)
+            return False
+        step = tuple(b - a for a, b in zip(last[0], numbers))
+        run = last[2] + 1 if step == last[1] and any(step) else 1
+        _progress[pattern] = (numbers, step, run)
+        if run < CHURN_AFTER - 1:
             return False
         _churning.add(pattern)
-        del _signatures[pattern]
+        del _progress[pattern]
     return True
 
 
