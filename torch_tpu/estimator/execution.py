@@ -17,10 +17,12 @@ from torch_tpu.runtime import fused
 class Execution:
     """``mode``: ``"fused"`` (each step recorded as one trace and run as one program),
     ``"compile"`` (``torch.compile(backend="tpu")`` of the step; what Dynamo leaves outside its
-    graphs runs op by op) or ``"strict"`` (op by op). ``precision``: ``"fp32"`` or ``"bf16"``."""
+    graphs runs op by op) or ``"strict"`` (op by op). ``precision``: ``"fp32"`` or ``"bf16"``.
+    ``replay``: training steps are captured and replayed (``mode="auto"``; ``mode`` is then
+    ``"fused"``, what warm-up, fallback, evaluation and prediction run in)."""
 
-    def __init__(self, mode: str, precision: str) -> None:
-        self.mode, self.precision = mode, precision
+    def __init__(self, mode: str, precision: str, replay: bool = False) -> None:
+        self.mode, self.precision, self.replay = mode, precision, replay
         self._compiled: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
 
     def forward(self, model: nn.Module) -> Callable[..., Any]:

@@ -101,6 +101,7 @@ class TrainLoop:
             say(self.est, f"resumed from {path} at epoch {run.epoch}, step {run.step}")
         self._compiles0 = compile_counters()
         self._base = (self.history.programs_compiled, self.history.compile_seconds)
+        self._replay_base = (self.history.replayed_steps, self.history.graphs_captured)
         self.model.train()
         for c in self.callbacks:
             c.on_fit_start(self.est, {"step": run.step, "epoch": run.epoch})
@@ -116,6 +117,17 @@ class TrainLoop:
         for c in self.callbacks:
             c.on_fit_end(self.est, self.history.to_dict())
         return self.history
+
+    def _record_execution(self) -> None:
+        """How the steps ran, in the history: replayed, or in which mode and (fallen back) why."""
+        h, plan = self.history, getattr(getattr(self, "builder", None), "replay", None)
+        if plan is None:
+            h.execution = self.est.execution.mode
+            return
+        h.execution = "replay" if plan.fallback is None else "fused"
+        h.replay_fallback = plan.fallback
+        h.replayed_steps = self._replay_base[0] + plan.replays
+        h.graphs_captured = self._replay_base[1] + plan.captures
 
     def _at_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.run_state.step >= self.config.max_steps
@@ -258,6 +270,7 @@ class TrainLoop:
         self.checkpointer.save(self.model, self.opt, self.sched, self.run_state)
 
     def _count_compiles(self) -> None:
+        self._record_execution()
         c, s = compile_counters()
         base_compiles, base_seconds = self._base
         self.history.programs_compiled = base_compiles + c - self._compiles0[0]
