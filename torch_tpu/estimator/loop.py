@@ -2,8 +2,8 @@
 validation and checkpoints.
 
 Step losses stay on the device: the host reads step N-2's loss while steps N-1 and N are queued
-(and at ``log_every`` steps, before callbacks and checkpoints), so the device never waits for
-Python between steps.
+(and at ``log_every`` steps, before checkpoints, and when a step-end callback looks at its logs),
+so the device never waits for Python between steps.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torch_tpu.estimator.callbacks import Callback
+from torch_tpu.estimator.callbacks import Callback, StepLogs, steps_hooked
 from torch_tpu.estimator.checkpoint import Checkpointer, RunState
 from torch_tpu.estimator.data import Batch, shapes_of
 from torch_tpu.estimator.execution import compile_counters
@@ -85,6 +85,7 @@ class TrainLoop:
         self.est, self.model, self.opt, self.sched = est, model, opt, sched
         self.loader, self.feeder, self.make_builder = loader, feeder, make_builder
         self.checkpointer, self.callbacks, self.config = checkpointer, callbacks, config
+        self._step_callbacks = steps_hooked(callbacks)
         self.run_state = RunState()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # steps whose loss the host has not read
         self._placed_optimizer = False
@@ -207,10 +208,13 @@ class TrainLoop:
         if run.step % max(self.config.log_every, 1) == 0:
             self._drain()
             ep.bar.set_postfix(loss=f"{entry['loss']:.4g}", samples_s=f"{ep.samples / (now - ep.t_start):.0f}")
-        if self.callbacks:
-            self._drain()
-            for c in self.callbacks:
-                c.on_step_end(est, dict(entry))
+        if self._step_callbacks:
+            def fetch() -> dict[str, Any]:
+                self._drain()
+                return {"loss": entry["loss"]}
+
+            for c in self._step_callbacks:
+                c.on_step_end(est, StepLogs(entry, None if "loss" in entry else fetch))
         if run.interrupted:
             raise KeyboardInterrupt
         if est.checkpoint_every and run.step % est.checkpoint_every == 0:
