@@ -65,12 +65,42 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     return new_tensor(_check_size("empty_strided", size), dtype or torch.get_default_dtype())
 
 
+def _make_put() -> Any:
+    """``jax.device_put(data)`` for a numpy array, to the default device, uncommitted. jaxlib's
+    batched put is what it ends in; called directly it costs 6 us instead of 35 (a training loop
+    sends every batch this way). Plain ``jax.device_put`` where jaxlib lacks it."""
+    try:
+        from jax._src.lib import xla_client
+
+        put = xla_client.batched_device_put
+        device = jax.devices()[0]
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        devices = [device]
+        shaped = jax.core.ShapedArray
+        probe = np.zeros((2,), np.float32)
+        if not np.array_equal(np.asarray(put(shaped(probe.shape, probe.dtype), sharding, [probe], devices, False)),
+                              probe):
+            return jax.device_put
+    except Exception:  # noqa: BLE001 - any change in jaxlib's private API: the public call
+        return jax.device_put
+
+    def device_put(data: np.ndarray) -> Any:
+        return put(shaped(data.shape, data.dtype), sharding, [data], devices, False)
+
+    return device_put
+
+
+_put: list[Any] = []
+
+
 def host_to_device(t: torch.Tensor) -> Any:
     """A jax array on tpu:0 with a private copy of a CPU tensor's data. *Uncommitted* (no device
     named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
     data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
     metrics.transfer_bytes["host_to_device"] += data.nbytes
-    array = jax.device_put(data)
+    if not _put:
+        _put.append(_make_put())
+    array = _put[0](data)
     remember_host_copy(array, data)
     return array
 
