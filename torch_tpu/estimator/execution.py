@@ -58,5 +58,5 @@ def compile_counters() -> tuple[int, float]:
     fused.finish_step()  # what was recorded runs first, so its compilation is counted (as metrics() does)
     if fused.pending_count() and _storage._capture is None:
         fused.flush(reason="metrics()")
-    with metrics._lock:
-        return sum(metrics.compile_counts.values()), round(sum(metrics.compile_seconds.values()), 4)
+    count, seconds = metrics.compile_totals
+    return count, round(seconds, 4)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torch_tpu.estimator.data import Batch, map_tensors, tensors_in
+from torch_tpu.estimator.data import Batch, map_tensors
 
 WARMUP_STEPS = 1  # fused steps before the first capture: the optimizer state appears at step 1
 
@@ -295,7 +295,9 @@ class ReplayRunner:
 
 def _batch_tensors(group: list[Batch]) -> list[torch.Tensor]:
     """Every tensor of a step's batches, in a fixed order: the graph's inputs."""
-    return tensors_in([(b.args, b.kwargs, b.target, b.mask) for b in group])
+    if len(group) == 1:
+        return group[0].tensors()
+    return [t for b in group for t in b.tensors()]
 
 
 def _private_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_tpu.estimator.data import Batch, tensors_in
+from torch_tpu.estimator.data import Batch
 from torch_tpu.estimator.execution import Execution
 from torch_tpu.estimator.losses import Loss, LossConfigError
 from torch_tpu.estimator.replay import ReplayPlan, ReplayRunner
@@ -27,10 +27,7 @@ StepFn = Callable[[list[Batch]], torch.Tensor]
 
 def bucket_key(group: list[Batch]) -> tuple:
     """The shapes and dtypes a step's program depends on: the same key, the same program."""
-    return tuple(
-        (b.padded_to is not None, tuple((tuple(t.shape), t.dtype) for t in tensors_in((b.args, b.kwargs, b.target))))
-        for b in group
-    )
+    return tuple((b.padded_to is not None, tuple((tuple(t.shape), t.dtype) for t in b.tensors())) for b in group)
 
 
 class StepRunner:

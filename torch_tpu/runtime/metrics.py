@@ -18,6 +18,7 @@ compile_seconds: collections.Counter[str] = collections.Counter()
 transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
 # torch.compile graphs run op by op in eager mode (a data-dependent shape), by the op that forced it
 eager_graphs: collections.Counter[str] = collections.Counter()
+compile_totals = [0, 0.0]  # the sums of compile_counts and compile_seconds, for callers that ask every step
 
 
 def count_compile(name: str, seconds: float) -> None:
@@ -27,6 +28,8 @@ def count_compile(name: str, seconds: float) -> None:
     with _lock:
         compile_counts[name] += 1
         compile_seconds[name] += seconds
+        compile_totals[0] += 1
+        compile_totals[1] += seconds
 
 
 def reset() -> None:
@@ -37,6 +40,7 @@ def reset() -> None:
     for c in (op_counts, fallback_counts, decomposition_counts, compile_counts, compile_seconds, transfer_bytes,
               eager_graphs):
         c.clear()
+    compile_totals[:] = [0, 0.0]
     cache.reset_stats()
 
 
