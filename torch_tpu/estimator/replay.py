@@ -22,7 +22,9 @@ semantics) costs one executable call. The estimator owns the loop, so it can cap
 * before each replay, what the graph froze is compared with its state at capture: every param
   group's numbers (beyond a tensor learning rate), which parameters require grad, and whether the
   model is in training mode. A change (a scheduler of betas, a callback freezing a layer) ends
-  replay for the run.
+  replay for the run. What cannot be checked cheaply is CUDA graphs' rule too: state the step
+  keeps must be updated in place (``buf.add_(1)``, not ``self.buf = self.buf + 1``), and Python
+  control flow inside the model takes the branch it took at capture.
 
 The run falls back to fused mode, saying why once (a :class:`ReplayFallback` warning), when the
 step cannot be captured: a host read in the user's loss or model (``.item()``, ``print``), a
@@ -84,6 +86,9 @@ class ReplayPlan:
         loaded from a non-capturable run has its step counts moved to the device."""
         opt = self.opt
         name = type(opt).__name__
+        if any(getattr(m, "sparse", False) is True for m in self.model.modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag))):
+            return "the model has sparse gradients (an Embedding with sparse=True), which cannot be captured"
         flag = _TENSOR_LR.get(type(opt))
         if flag is None:
             if not type(opt).__module__.startswith("torch.optim") or not all(
@@ -93,13 +98,14 @@ class ReplayPlan:
             flag = "capturable"
         else:
             self.tensor_lr = True
+        if any(g.get("differentiable") for g in opt.param_groups):
+            self.tensor_lr = False
+            return f"the optimizer {name} has differentiable=True, which cannot be captured"
         for g in opt.param_groups:
             if flag == "fused":
                 g["fused"], g["foreach"] = True, False
             elif not g.get("fused"):
                 g["capturable"] = True
-            if g.get("differentiable"):
-                return f"the optimizer {name} has differentiable=True, which cannot be captured"
         for p, state in opt.state.items():
             step = state.get("step") if isinstance(state, dict) else None
             if isinstance(step, torch.Tensor) and step.device.type != "tpu":
