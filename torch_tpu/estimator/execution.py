@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import torch_tpu
-from torch_tpu.runtime import fused
+from torch_tpu import _storage
+from torch_tpu.runtime import fused, metrics
 
 
 class Execution:
@@ -52,11 +53,9 @@ class Execution:
 def compile_counters() -> tuple[int, float]:
     """Programs compiled so far and the seconds spent, fused traces and per-op programs together:
     ``torch_tpu.metrics()``'s two figures, without copying its other counters (twice a step)."""
-    from torch_tpu import _storage
-    from torch_tpu.runtime import metrics
-
-    fused.finish_step()  # what was recorded runs first, so its compilation is counted (as metrics() does)
-    if fused.pending_count() and _storage._capture is None:
+    if fused._step_ended:
+        fused.finish_step()  # what was recorded runs first, so its compilation is counted (as metrics() does)
+    if fused._pending and _storage._capture is None:
         fused.flush(reason="metrics()")
     count, seconds = metrics.compile_totals
     return count, round(seconds, 4)

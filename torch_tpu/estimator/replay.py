@@ -160,9 +160,30 @@ class ReplayPlan:
         """Records, at the first capture, what every graph of the run takes as fixed."""
         if self._frozen is None:
             self._frozen = self._state()
+            skip = self._skip
+            self._frozen_items = [(g, [(k, v) for k, v in g.items() if k not in skip]) for g in self.opt.param_groups]
+
+    def _same(self) -> bool:
+        """The quick form of ``_state() == frozen``, run before every replay: no tuples built."""
+        groups = self.opt.param_groups
+        if len(groups) != len(self._frozen_items) or self.model.training is not self._frozen[3]:
+            return False
+        for (g, items), now in zip(self._frozen_items, groups):
+            if g is not now or len(now) != len(items) + len(self._skip):
+                return False
+            for k, v in items:
+                w = now[k]
+                if w is not v and w != v:
+                    return False
+        for p, r in zip(self._params, self._frozen[2]):
+            if p.requires_grad is not r:
+                return False
+        return True
 
     def unchanged(self) -> bool:
         """True while what the graphs froze is as at capture; else the run falls back, saying what."""
+        if self._same():
+            return True
         now = self._state()
         if now == self._frozen:
             return True
