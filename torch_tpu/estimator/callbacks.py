@@ -11,7 +11,9 @@ if TYPE_CHECKING:
 
 class Callback:
     """Hooks into :meth:`TPUEstimator.fit`. ``logs`` holds what the step, epoch or validation
-    measured. Set ``est.stop_training = True`` to stop after the current step."""
+    measured; at a step's end it is a :class:`StepLogs`, whose loss is read from the device only
+    when the callback looks at it (so the device keeps running ahead of a callback that does not).
+    Set ``est.stop_training = True`` to stop after the current step."""
 
     def on_fit_start(self, est: TPUEstimator, logs: dict[str, Any]) -> None: ...
 
