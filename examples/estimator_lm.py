@@ -124,7 +124,8 @@ def main() -> None:
     print(
         f"{len(history.loss)} steps in {seconds:.1f} s; loss {history.loss[0]:.3f} -> {history.loss[-1]:.3f}; "
         f"{history.samples_per_s:.0f} samples/s; {history.programs_compiled} programs compiled in "
-        f"{history.compile_seconds:.1f} s"
+        f"{history.compile_seconds:.1f} s; steps run as {history.execution}"
+        + (f" ({history.replay_fallback})" if history.replay_fallback else "")
     )
     if args.plot:
         history.plot(args.plot)

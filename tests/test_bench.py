@@ -8,7 +8,7 @@ import torch_tpu
 from torch_tpu.bench.__main__ import train
 
 
-@pytest.mark.parametrize("mode", ["fused", "compile", "graph"])
+@pytest.mark.parametrize("mode", ["fused", "compile", "graph", "estimator"])
 def test_train_reports_speed_cpu_time_and_the_cpu_loss(mode):
     before = torch_tpu.get_eager_mode()
     ours = train("mlp", mode, steps=2, warmup=2)
@@ -20,3 +20,5 @@ def test_train_reports_speed_cpu_time_and_the_cpu_loss(mode):
     assert 0 < ours["compile_s"] < ours["first_step_s"]
     # the same steps from the same weights: the final losses agree with CPU PyTorch's
     assert ours["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4, abs=1e-5)
+    if mode == "estimator":  # TPUEstimator().fit: its steps replayed after the warm-up one
+        assert ours["execution"] == "replay" and ours["replayed_steps"] == 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -670,3 +671,210 @@ def test_predict_with_a_ragged_last_batch_compiles_once_per_bucket(mode):
     if mode == "compile":  # one program per bucket, not one per op
         assert first <= 2 * 2, first
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- mode="auto": capture and replay
+def _cpu_loop(model, loader, make_opt, make_sched=None, accum=1, epochs=1, clip=None, on_step=None):
+    """The plain CPU loop of fit's default loss (cross entropy over the real rows of each step)."""
+    opt = make_opt(model.parameters())
+    sched = make_sched(opt) if make_sched else None
+    losses, step = [], 0
+    for _ in range(epochs):
+        batches = list(loader)
+        for i in range(0, len(batches), accum):
+            group = batches[i : i + accum]
+            n = sum(len(y) for _, y in group)
+            total = 0.0
+            for x, y in group:
+                part = nn.functional.cross_entropy(model(x), y, reduction="sum") / n
+                part.backward()
+                total += part.item()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            losses.append(total)
+            step += 1
+            if on_step is not None:
+                on_step(step, model, opt)
+    return losses
+
+
+_REPLAYED = {
+    "SGD+StepLR": (lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9, weight_decay=0.01),
+                   lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), 1),
+    "AdamW+ExponentialLR": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                            lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.8), 1),
+    "Adam+LambdaLR, accumulation": (lambda p: torch.optim.Adam(p, lr=1e-2),
+                                    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)), 2),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3), None, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(_REPLAYED))
+def test_replay_matches_cpu_with_schedulers_accumulation_and_a_ragged_last_batch(name):
+    """mode="auto": one fused warm-up step, then each bucket (full steps; the ragged last one) is
+    captured once and replayed. Losses, learning rates and weights equal the CPU loop's over 3
+    epochs, with the scheduler changing the learning rate between replays."""
+    make_opt, make_sched, accum = _REPLAYED[name]
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)  # six of 16 and a last one of 4
+    want = _cpu_loop(cpu, loader, make_opt, make_sched, accum=accum, epochs=3, clip=0.5)
+    seen = []
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch_tpu.estimator.ReplayFallback)
+        h = TPUEstimator(verbose=False).fit(
+            tpu, loader, optimizer=make_opt, scheduler=make_sched, grad_accum_steps=accum, epochs=3, clip_grad_norm=0.5,
+            callbacks=[lambda est, logs: seen.append(logs["loss"])])
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert seen == h.loss  # a callback that reads the logs gets each step's loss
+    assert_weights_equal(tpu, cpu)
+    steps = len(want)
+    assert h.execution == "replay" and h.replay_fallback is None
+    assert h.graphs_captured == 2 and h.replayed_steps == steps - 1, (h.graphs_captured, h.replayed_steps)
+    if make_sched is not None:
+        sched = make_sched(make_opt(mlp().parameters()))
+        lrs = []
+        for _ in range(steps):
+            lrs.append(sched.get_last_lr()[0])
+            sched.optimizer.step()
+            sched.step()
+        assert [s["lr"] for s in h.steps] == pytest.approx(lrs)
+
+
+def test_fused_and_compile_modes_do_not_replay():
+    torch._dynamo.reset()
+    loader = DataLoader(classification_data(64), batch_size=16)
+    for mode in ("fused", "compile", "strict"):
+        h = TPUEstimator(mode=mode, verbose=False).fit(mlp(), loader)
+        assert (h.execution, h.replayed_steps, h.graphs_captured) == (mode, 0, 0)
+    assert "mode='auto'" in repr(TPUEstimator(verbose=False))
+    torch._dynamo.reset()
+
+
+class _NotCapturable(torch.optim.SGD):
+    """An optimizer of the user's own (outside torch.optim): nothing says it can be captured."""
+
+
+def _host_read_loss(out, y):
+    loss = nn.functional.cross_entropy(out, y)
+    if loss.item() > 1e6:  # a host read: fine eagerly, refused by capture
+        raise AssertionError("diverged")
+    return loss
+
+
+def _masked_loss(out, y):
+    per = nn.functional.cross_entropy(out, y, reduction="none")
+    return per[torch.nonzero(y >= 0).squeeze(1)].mean()  # the indices' count depends on the values
+
+
+class _Freeze(Callback):
+    """Changes what the captured step froze: momentum at step 3 (a Python number in the graph)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def on_step_end(self, est, logs):
+        if logs["step"] == 3:
+            self.opts[-1].param_groups[0]["momentum"] = 0.5
+
+
+_OPTS: list = []  # the optimizers the fallback test's factory made, for _Freeze
+_FALLBACKS = {
+    "a host read in the loss": (dict(loss_fn=_host_read_loss), r"_local_scalar_dense.*cannot be captured"),
+    "a data-dependent shape": (dict(loss_fn=_masked_loss),
+                               r"aten\.nonzero.*cannot be captured: its output's shape depends"),
+    "an optimizer that cannot be made capturable": (dict(optimizer=lambda p: _NotCapturable(p, lr=0.1)),
+                                                    r"_NotCapturable cannot be made capturable"),
+    "Adagrad": (dict(optimizer=lambda p: torch.optim.Adagrad(p, lr=0.1)), r"Adagrad cannot be made capturable"),
+    "a callback that changes a frozen number": (dict(callbacks=[_Freeze(_OPTS)]),
+                                                r"param group 0's 'momentum' changed between steps"),
+}
+
+
+@pytest.mark.parametrize("cause", list(_FALLBACKS))
+def test_replay_falls_back_to_fused_mode_once_with_the_reason(cause):
+    """What cannot be captured runs in fused mode, with one ReplayFallback warning naming the cause;
+    the results are CPU's either way."""
+    kw, reason = _FALLBACKS[cause]
+    data = classification_data(100)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)
+    make_opt = kw.get("optimizer", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    cpu_opt = (lambda p: torch.optim.SGD(p, lr=0.1)) if "optimizer" in kw and "Adagrad" not in cause else make_opt
+    if "Adagrad" in cause:
+        cpu_opt = lambda p: torch.optim.Adagrad(p, lr=0.1)  # noqa: E731
+
+    def on_step(step, model, opt):
+        if "callback" in cause and step == 3:
+            opt.param_groups[0]["momentum"] = 0.5
+
+    want = _cpu_loop(cpu, loader, cpu_opt, epochs=2, on_step=on_step)
+    est = TPUEstimator(verbose=False)
+
+    def factory(p):
+        _OPTS.append(make_opt(p))
+        return _OPTS[-1]
+
+    fit_kw = {k: v for k, v in kw.items() if k != "optimizer"}
+    with pytest.warns(torch_tpu.estimator.ReplayFallback, match=reason) as caught:
+        h = est.fit(tpu, loader, optimizer=factory, epochs=2, **fit_kw)
+    assert len([w for w in caught if issubclass(w.category, torch_tpu.estimator.ReplayFallback)]) == 1
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    assert h.execution == "fused" and re.search(reason, h.replay_fallback)
+
+
+def test_replayed_checkpoints_resume_exactly_across_modes(tmp_path):
+    """A run interrupted under replay and resumed equals the uninterrupted one (dropout included:
+    the capture draws no random numbers of its own); so does a fused run's checkpoint resumed by
+    mode="auto" (its optimizer state is made capturable on loading)."""
+    data = classification_data(80)
+
+    def run(ckdir, mode="auto", stop=None):
+        torch.manual_seed(3)
+        loader = DataLoader(data, batch_size=16, shuffle=True)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.3)
+        est = TPUEstimator(verbose=False, mode=mode)
+        kw = dict(epochs=3, checkpoint_dir=ckdir, scheduler=lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9),
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), callbacks=[_StopAt(stop)] if stop else [])
+        try:
+            return est.fit(model, loader, **kw), model
+        except KeyboardInterrupt:
+            return None, model
+
+    full, m_full = run(str(tmp_path / "a"))
+    assert full.execution == "replay" and full.replayed_steps == 14
+    for first_mode, stop in (("auto", 4), ("fused", 7)):
+        d = str(tmp_path / f"{first_mode}-{stop}")
+        assert run(d, first_mode, stop=stop)[0] is None
+        resumed, m_res = run(d)
+        assert resumed.execution == "replay"
+        torch.testing.assert_close(torch.tensor(resumed.loss), torch.tensor(full.loss), rtol=1e-5, atol=1e-6)
+        assert_weights_equal(m_res, m_full, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loader_of_tpu_tensors_is_not_overwritten_by_replay():
+    """Replay re-points the captured batch's tensors at each new batch's arrays: they are the
+    estimator's own, so batches the loader holds on the device keep their values."""
+    x, y = classification_data(64).tensors
+    batches = [(x[i : i + 16].to("tpu"), y[i : i + 16].to("tpu")) for i in range(0, 64, 16)]
+    before = [(a.cpu(), b.cpu()) for a, b in batches]
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    want = _cpu_loop(cpu, [(a.cpu(), b.cpu()) for a, b in batches], lambda p: torch.optim.AdamW(p, lr=1e-3), epochs=2)
+    h = TPUEstimator(verbose=False).fit(tpu, batches, epochs=2)
+    assert h.execution == "replay" and h.replayed_steps == 7
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    for (a, b), (ca, cb) in zip(batches, before):
+        assert torch.equal(a.cpu(), ca) and torch.equal(b.cpu(), cb)

@@ -388,3 +388,40 @@ def test_a_tensor_learning_rate_follows_its_schedule_across_replays():
     assert ot.param_groups[0]["lr"].item() == pytest.approx(oc.param_groups[0]["lr"].item())
     for a, b in zip(mc.parameters(), mt.parameters()):
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_capture_that_repeats_an_earlier_one_takes_its_executable():
+    """Two captures of the same step on other tensors of the same shapes (a training loop's second
+    bucket whose step differs only in values) compile once; each graph updates its own tensors, as
+    CPU does. A different frozen number is another program."""
+    data = [(x[:5], y[:5]) for x, y in batches(4)]  # a batch size no other test captures
+    mc = model()
+    mt = copy.deepcopy(mc).to("tpu")
+    oc, ot = OPTIMIZERS["SGD"](mc.parameters(), "cpu"), OPTIMIZERS["SGD"](mt.parameters(), "tpu")
+    step_c = make_step(mc, oc, *data[0])
+    step_c()
+    xt, yt = (t.to("tpu") for t in data[0])
+    make_step(mt, ot, xt, yt)()
+    graphs = []
+    count = torch_tpu.metrics()["compile_count"]
+    for x, y in data[1:3]:  # two captures on fresh static inputs
+        xs, ys = x.to("tpu"), y.to("tpu")
+        g = torch.tpu.TPUGraph()
+        with torch.tpu.graph(g):
+            loss = make_step(mt, ot, xs, ys)()
+        graphs.append((g, loss))
+    assert torch_tpu.metrics()["compile_count"] == count + 1
+    for (g, loss), (x, y) in zip(graphs, data[1:3]):
+        g.replay()
+        torch.testing.assert_close(loss.item(), make_step(mc, oc, x, y)().item(), rtol=RTOL, atol=ATOL)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
+    ot.param_groups[0]["momentum"] = 0.5  # frozen into the graph: another program
+    oc.param_groups[0]["momentum"] = 0.5
+    g = torch.tpu.TPUGraph()
+    xs, ys = (t.to("tpu") for t in data[3])
+    with torch.tpu.graph(g):
+        loss = make_step(mt, ot, xs, ys)()
+    assert torch_tpu.metrics()["compile_count"] == count + 2
+    g.replay()
+    torch.testing.assert_close(loss.item(), make_step(mc, oc, *data[3])().item(), rtol=RTOL, atol=ATOL)

@@ -6,10 +6,11 @@ from torch_tpu.estimator.estimator import (
     Callback,
     EarlyStopping,
     LossConfigError,
+    ReplayFallback,
     TPUEstimator,
     batch_loss,
 )
 from torch_tpu.estimator.history import History
 
-__all__ = ["BatchError", "BatchLoss", "Callback", "EarlyStopping", "History", "LossConfigError", "TPUEstimator",
-           "batch_loss"]
+__all__ = ["BatchError", "BatchLoss", "Callback", "EarlyStopping", "History", "LossConfigError", "ReplayFallback",
+           "TPUEstimator", "batch_loss"]

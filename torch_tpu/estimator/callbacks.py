@@ -11,7 +11,9 @@ if TYPE_CHECKING:
 
 class Callback:
     """Hooks into :meth:`TPUEstimator.fit`. ``logs`` holds what the step, epoch or validation
-    measured. Set ``est.stop_training = True`` to stop after the current step."""
+    measured; at a step's end it is a :class:`StepLogs`, whose loss is read from the device only
+    when the callback looks at it (so the device keeps running ahead of a callback that does not).
+    Set ``est.stop_training = True`` to stop after the current step."""
 
     def on_fit_start(self, est: TPUEstimator, logs: dict[str, Any]) -> None: ...
 
@@ -60,6 +62,84 @@ class StepEndCallable(Callback):
 
     def on_step_end(self, est: TPUEstimator, logs: dict[str, Any]) -> None:
         self.fn(est, logs)
+
+
+class StepLogs(dict):
+    """The ``logs`` of ``on_step_end``: the step's values, its loss read from the device only when
+    a callback looks at the logs. Reading it waits for the step to finish; a callback that only
+    counts steps or times them leaves the device running ahead, as it does without callbacks."""
+
+    __slots__ = ("_fetch",)
+
+    def __init__(self, entry: dict[str, Any], fetch: Callable[[], dict[str, Any]] | None) -> None:
+        super().__init__(entry)
+        self._fetch = fetch
+
+    def _resolve(self) -> None:
+        fetch = self._fetch
+        if fetch is not None:
+            self._fetch = None
+            dict.update(self, fetch())
+
+    def __missing__(self, key: str) -> Any:
+        if self._fetch is None:
+            raise KeyError(key)
+        self._resolve()
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._resolve()
+        return dict.get(self, key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._resolve()
+        return dict.__contains__(self, key)
+
+    def __iter__(self) -> Any:
+        self._resolve()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self._resolve()
+        return dict.__len__(self)
+
+    def __eq__(self, other: object) -> bool:
+        self._resolve()
+        return dict.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._resolve()
+        return dict.__repr__(self)
+
+    def keys(self) -> Any:
+        self._resolve()
+        return dict.keys(self)
+
+    def values(self) -> Any:
+        self._resolve()
+        return dict.values(self)
+
+    def items(self) -> Any:
+        self._resolve()
+        return dict.items(self)
+
+    def copy(self) -> dict[str, Any]:
+        self._resolve()
+        return dict(dict.items(self))
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self._resolve()
+        return dict.pop(self, key, *default)
+
+    def __reduce__(self) -> Any:
+        return dict, (self.copy(),)
+
+
+def steps_hooked(callbacks: list[Callback]) -> list[Callback]:
+    """The callbacks whose ``on_step_end`` does something (the base class's does nothing)."""
+    return [c for c in callbacks if type(c).on_step_end is not Callback.on_step_end]
 
 
 def as_callbacks(callbacks: Any) -> list[Callback]:

@@ -31,6 +31,15 @@ class Batch:
     mask: torch.Tensor | None = None
     padded_to: int | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch (inputs, target, mask) in a fixed order, found once: a step's
+        bucket and a replay's inputs come from it. (``dataclasses.replace`` makes a new batch,
+        which finds its own.)"""
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            flat = self.__dict__["_flat"] = tensors_in((self.args, self.kwargs, self.target, self.mask))
+        return flat
+
 
 def map_tensors(obj: Any, fn: Any) -> Any:
     """Applies ``fn`` to every tensor in a nest of tuples, lists and dicts."""
@@ -51,12 +60,23 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for v in items:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
 def batch_size(raw: Any) -> int:
     """Rows in a batch: the leading size of its first tensor."""
-    ts = tensors_in(raw)
-    if not ts or ts[0].dim() == 0:
+    t = _first_tensor(raw)
+    if t is None or t.dim() == 0:
         raise TypeError(f"a batch must hold tensors with a batch dimension, got {type(raw).__name__}")
-    return int(ts[0].shape[0])
+    return int(t.shape[0])
 
 
 def shapes_of(raw: Any) -> Any:
@@ -80,10 +100,25 @@ def pad_rows(raw: Any, rows: int) -> Any:
     return map_tensors(raw, pad)
 
 
+_STRIDED = torch.strided
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device, non_blocking=True)``; a plain CPU tensor goes to tpu without torch's dispatch
+    (half the cost of a small batch's copy, paid for every tensor of every batch)."""
+    if type(t) is torch.Tensor and device.type == "tpu" and t.device.type == "cpu" and t.layout is _STRIDED \
+            and not t.requires_grad:
+        from torch_tpu import _kernels, _storage
+
+        return _storage.new_tensor(tuple(t.shape), t.dtype, _kernels.host_to_device(t))
+    return t.to(device, non_blocking=True)
+
+
 def split(raw: Any, device: Any, with_target: bool = True) -> Batch:
     """Moves a raw batch to ``device`` (without blocking) and splits it into model inputs and target."""
     n = batch_size(raw)
-    moved = map_tensors(raw, lambda t: t.to(device, non_blocking=True))
+    device = torch.device(device)
+    moved = map_tensors(raw, lambda t: to_device(t, device))
     if isinstance(moved, dict):
         return Batch((), moved, None, n, moved)
     if isinstance(moved, (tuple, list)):

@@ -6,14 +6,17 @@ for every argument of ``Tensor.to``, ``Module.to`` and ``torch.device`` before p
 which we swap the estimator for its ``torch.device``. (``torch.device`` itself cannot be
 subclassed.)
 
-A training step (forward, loss, backward, clipping, optimizer, scheduler) is one XLA program: the
-fused eager mode records it and ``fused.flush`` cuts the trace at the end of each step, or
+A training step (forward, loss, backward, clipping, optimizer, scheduler) is one XLA program. By
+default (``mode="auto"``) each shape bucket's step is captured once and replayed, which leaves the
+host one executable call per step; the fused eager mode records it (``fused.flush`` cuts the trace
+at the end of each step) for warm-up and when a step cannot be captured; or
 ``torch.compile(backend="tpu")`` compiles the step function. Shapes stay the same every step
 because the last partial batch is padded and its padded rows masked out of the loss.
 
 The parts, each in its module: :mod:`.placement` (the mesh, the model and batches on it),
 :mod:`.losses` (which loss, exact on padded batches), :mod:`.step` (the step function and its
-per-bucket runners), :mod:`.checkpoint` (resume, save, Ctrl-C), :mod:`.loop` (the train loop).
+per-bucket runners), :mod:`.replay` (capture and replay), :mod:`.checkpoint` (resume, save,
+Ctrl-C), :mod:`.loop` (the train loop).
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from torch_tpu.estimator.loop import BatchError, FitConfig, TrainLoop
 from torch_tpu.estimator.losses import BatchLoss, Loss, LossConfigError, batch_loss
 from torch_tpu.estimator.metrics import metric_parts, named_metrics
 from torch_tpu.estimator.placement import Placement
+from torch_tpu.estimator.replay import ReplayFallback
 from torch_tpu.estimator.step import StepBuilder
 
-__all__ = ["BatchError", "BatchLoss", "Callback", "EarlyStopping", "LossConfigError", "TPUEstimator", "batch_loss"]
+__all__ = ["BatchError", "BatchLoss", "Callback", "EarlyStopping", "LossConfigError", "ReplayFallback", "TPUEstimator",
+           "batch_loss"]
 
 _MODES = ("auto", "compile", "fused", "strict")
 _PRECISIONS = ("fp32", "bf16")
@@ -52,8 +57,11 @@ class TPUEstimator:
     ``devices``: None (every local device), a count, or a list of indices; with more than one,
     batches are sharded over them when :mod:`torch_tpu.distributed` is available.
     ``precision``: ``"fp32"`` or ``"bf16"`` (bf16 autocast, fp32 master weights).
-    ``mode``: ``"auto"`` (fused), ``"fused"``, ``"compile"`` (``torch.compile(backend="tpu")`` of the
-    whole step), or ``"strict"`` (op by op, for debugging).
+    ``mode``: ``"auto"`` (each step bucket captured once and replayed, as CUDA graphs are; fused
+    mode when the step cannot be captured, with a :class:`ReplayFallback` warning saying why: see
+    :mod:`torch_tpu.estimator.replay`), ``"fused"`` (each step recorded and run as one program),
+    ``"compile"`` (``torch.compile(backend="tpu")`` of the whole step), or ``"strict"`` (op by op,
+    for debugging). ``History.execution`` says which ran.
     ``seed``: seeds torch (CPU and tpu) now, so model initialisation is reproducible too.
     ``verbose``: progress bar and compile log lines (only when stderr is a terminal).
     ``sharding``: with several devices, ``"dp"`` replicates parameters and splits each batch;
@@ -101,7 +109,7 @@ class TPUEstimator:
             chosen = [local[i] for i in idx]
         self._jax_devices = chosen
         self.precision = precision
-        self.mode = "fused" if mode == "auto" else mode
+        self.mode = mode
         self.requested_mode = mode
         self.seed = seed
         self.verbose = verbose
@@ -113,7 +121,7 @@ class TPUEstimator:
         self.sharding = sharding
         self.stop_training = False
         self.last_predict_stats: dict[str, float] = {}
-        self.execution = Execution(self.mode, precision)
+        self.execution = Execution("fused" if mode == "auto" else mode, precision, replay=mode == "auto")
         self.placement = Placement(chosen, sharding, self.bucket_lengths, self.device)
         if seed is not None:
             torch.manual_seed(seed)
@@ -230,10 +238,11 @@ class TPUEstimator:
         # batch unpadded (one more program) rather than train on different numbers.
         padding = self.pad_last_batch and not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                                                   for m in model.modules())
+        feeder = self.placement.feeder(model, self._loader_batch_size(train_loader), padding)
         loop = TrainLoop(
             self, model, opt, sched, train_loader,
-            feeder=self.placement.feeder(model, self._loader_batch_size(train_loader), padding),
-            make_builder=lambda: StepBuilder(model, opt, loss, clip_grad_norm, self.execution),
+            feeder=feeder,
+            make_builder=lambda: StepBuilder(model, opt, loss, clip_grad_norm, self.execution, lambda: feeder.mesh),
             checkpointer=Checkpointer(checkpoint_dir, self.keep_checkpoints, resume),
             callbacks=as_callbacks(callbacks),
             config=FitConfig(epochs, max_steps, grad_accum_steps, log_every, val_loader, metrics, loss_fn),

@@ -11,16 +11,19 @@ import torch
 from torch import nn
 
 import torch_tpu
-from torch_tpu.runtime import fused
+from torch_tpu import _storage
+from torch_tpu.runtime import fused, metrics
 
 
 class Execution:
     """``mode``: ``"fused"`` (each step recorded as one trace and run as one program),
     ``"compile"`` (``torch.compile(backend="tpu")`` of the step; what Dynamo leaves outside its
-    graphs runs op by op) or ``"strict"`` (op by op). ``precision``: ``"fp32"`` or ``"bf16"``."""
+    graphs runs op by op) or ``"strict"`` (op by op). ``precision``: ``"fp32"`` or ``"bf16"``.
+    ``replay``: training steps are captured and replayed (``mode="auto"``; ``mode`` is then
+    ``"fused"``, what warm-up, fallback, evaluation and prediction run in)."""
 
-    def __init__(self, mode: str, precision: str) -> None:
-        self.mode, self.precision = mode, precision
+    def __init__(self, mode: str, precision: str, replay: bool = False) -> None:
+        self.mode, self.precision, self.replay = mode, precision, replay
         self._compiled: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
 
     def forward(self, model: nn.Module) -> Callable[..., Any]:
@@ -48,6 +51,11 @@ class Execution:
 
 
 def compile_counters() -> tuple[int, float]:
-    """Programs compiled so far and the seconds spent, fused traces and per-op programs together."""
-    m = torch_tpu.metrics()  # counts every program compiled, fused traces (cache_stats' misses) included
-    return m["compile_count"], m["compile_seconds"]
+    """Programs compiled so far and the seconds spent, fused traces and per-op programs together:
+    ``torch_tpu.metrics()``'s two figures, without copying its other counters (twice a step)."""
+    if fused._step_ended:
+        fused.finish_step()  # what was recorded runs first, so its compilation is counted (as metrics() does)
+    if fused._pending and _storage._capture is None:
+        fused.flush(reason="metrics()")
+    count, seconds = metrics.compile_totals
+    return count, round(seconds, 4)

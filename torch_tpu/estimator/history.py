@@ -13,6 +13,11 @@ class History:
     ``epochs``: one dict per epoch (``epoch``, ``loss``, ``samples_per_s``, ``seconds`` and any
     validation values as ``val_<name>``). ``compile_seconds`` and ``programs_compiled`` count
     the XLA compilations this run caused.
+
+    ``execution``: how the last ``fit`` ran its steps: ``"replay"`` (``mode="auto"``: captured and
+    replayed after the warm-up), ``"fused"`` (``mode="fused"``, or ``"auto"`` fallen back; then
+    ``replay_fallback`` says why), ``"compile"`` or ``"strict"``. ``replayed_steps`` counts the
+    steps that ran as a replay, ``graphs_captured`` the captures (one per shape bucket).
     """
 
     def __init__(self) -> None:
@@ -21,6 +26,10 @@ class History:
         self.compile_seconds: float = 0.0
         self.programs_compiled: int = 0
         self.stopped_early: bool = False
+        self.execution: str = ""
+        self.replay_fallback: str | None = None
+        self.replayed_steps: int = 0
+        self.graphs_captured: int = 0
 
     # ------------------------------------------------------------------ views
     @property
@@ -51,6 +60,10 @@ class History:
             "compile_seconds": self.compile_seconds,
             "programs_compiled": self.programs_compiled,
             "stopped_early": self.stopped_early,
+            "execution": self.execution,
+            "replay_fallback": self.replay_fallback,
+            "replayed_steps": self.replayed_steps,
+            "graphs_captured": self.graphs_captured,
         }
 
     @classmethod
@@ -61,6 +74,10 @@ class History:
         h.compile_seconds = float(d.get("compile_seconds", 0.0))
         h.programs_compiled = int(d.get("programs_compiled", 0))
         h.stopped_early = bool(d.get("stopped_early", False))
+        h.execution = str(d.get("execution", ""))
+        h.replay_fallback = d.get("replay_fallback")
+        h.replayed_steps = int(d.get("replayed_steps", 0))
+        h.graphs_captured = int(d.get("graphs_captured", 0))
         return h
 
     def plot(self, path: str) -> str:

@@ -2,8 +2,8 @@
 validation and checkpoints.
 
 Step losses stay on the device: the host reads step N-2's loss while steps N-1 and N are queued
-(and at ``log_every`` steps, before callbacks and checkpoints), so the device never waits for
-Python between steps.
+(and at ``log_every`` steps, before checkpoints, and when a step-end callback looks at its logs),
+so the device never waits for Python between steps.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torch_tpu.estimator.callbacks import Callback
+from torch_tpu.estimator.callbacks import Callback, StepLogs, steps_hooked
 from torch_tpu.estimator.checkpoint import Checkpointer, RunState
 from torch_tpu.estimator.data import Batch, shapes_of
 from torch_tpu.estimator.execution import compile_counters
@@ -85,6 +85,7 @@ class TrainLoop:
         self.est, self.model, self.opt, self.sched = est, model, opt, sched
         self.loader, self.feeder, self.make_builder = loader, feeder, make_builder
         self.checkpointer, self.callbacks, self.config = checkpointer, callbacks, config
+        self._step_callbacks = steps_hooked(callbacks)
         self.run_state = RunState()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # steps whose loss the host has not read
         self._placed_optimizer = False
@@ -101,6 +102,7 @@ class TrainLoop:
             say(self.est, f"resumed from {path} at epoch {run.epoch}, step {run.step}")
         self._compiles0 = compile_counters()
         self._base = (self.history.programs_compiled, self.history.compile_seconds)
+        self._replay_base = (self.history.replayed_steps, self.history.graphs_captured)
         self.model.train()
         for c in self.callbacks:
             c.on_fit_start(self.est, {"step": run.step, "epoch": run.epoch})
@@ -116,6 +118,17 @@ class TrainLoop:
         for c in self.callbacks:
             c.on_fit_end(self.est, self.history.to_dict())
         return self.history
+
+    def _record_execution(self) -> None:
+        """How the steps ran, in the history: replayed, or in which mode and (fallen back) why."""
+        h, plan = self.history, getattr(getattr(self, "builder", None), "replay", None)
+        if plan is None:
+            h.execution = self.est.execution.mode
+            return
+        h.execution = "replay" if plan.fallback is None else "fused"
+        h.replay_fallback = plan.fallback
+        h.replayed_steps = self._replay_base[0] + plan.replays
+        h.graphs_captured = self._replay_base[1] + plan.captures
 
     def _at_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.run_state.step >= self.config.max_steps
@@ -195,10 +208,13 @@ class TrainLoop:
         if run.step % max(self.config.log_every, 1) == 0:
             self._drain()
             ep.bar.set_postfix(loss=f"{entry['loss']:.4g}", samples_s=f"{ep.samples / (now - ep.t_start):.0f}")
-        if self.callbacks:
-            self._drain()
-            for c in self.callbacks:
-                c.on_step_end(est, dict(entry))
+        if self._step_callbacks:
+            def fetch() -> dict[str, Any]:
+                self._drain()
+                return {"loss": entry["loss"]}
+
+            for c in self._step_callbacks:
+                c.on_step_end(est, StepLogs(entry, None if "loss" in entry else fetch))
         if run.interrupted:
             raise KeyboardInterrupt
         if est.checkpoint_every and run.step % est.checkpoint_every == 0:
@@ -258,6 +274,7 @@ class TrainLoop:
         self.checkpointer.save(self.model, self.opt, self.sched, self.run_state)
 
     def _count_compiles(self) -> None:
+        self._record_execution()
         c, s = compile_counters()
         base_compiles, base_seconds = self._base
         self.history.programs_compiled = base_compiles + c - self._compiles0[0]

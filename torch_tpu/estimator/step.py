@@ -5,38 +5,37 @@ the runners that run it, one per shape bucket.
 compile mode; recorded as one trace in fused mode). :meth:`StepBuilder.runner` hands out one
 :class:`StepRunner` per shape bucket (the shapes and dtypes of a step's batches), built on the
 bucket's first step. A runner's ``run(group) -> loss`` is the only way the train loop runs a
-step: the seam where a graph-capturing runner (capture a bucket's step once, then replay it) can
-replace the plain one without touching the loop.
+step: in ``mode="auto"`` the runners are :class:`~torch_tpu.estimator.replay.ReplayRunner`, which
+capture a bucket's step once and replay it (see :mod:`torch_tpu.estimator.replay`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from torch_tpu.estimator.data import Batch, tensors_in
+from torch_tpu.estimator.data import Batch
 from torch_tpu.estimator.execution import Execution
 from torch_tpu.estimator.losses import Loss, LossConfigError
+from torch_tpu.estimator.replay import ReplayPlan, ReplayRunner
 
 StepFn = Callable[[list[Batch]], torch.Tensor]
 
 
 def bucket_key(group: list[Batch]) -> tuple:
     """The shapes and dtypes a step's program depends on: the same key, the same program."""
-    return tuple(
-        (b.padded_to is not None, tuple((tuple(t.shape), t.dtype) for t in tensors_in((b.args, b.kwargs, b.target))))
-        for b in group
-    )
+    return tuple((b.padded_to is not None, tuple((tuple(t.shape), t.dtype) for t in b.tensors())) for b in group)
 
 
 class StepRunner:
     """Runs the optimizer step of one shape bucket: ``run(group)`` returns the step's mean loss
     (a detached float32 device tensor, not read on the host) with the weights updated.
 
-    ``steps`` counts the steps run. A capturing runner would override :meth:`run`: run the
-    plain step for warm-up, capture it once, then replay it for every later step of the bucket.
+    ``steps`` counts the steps run. :class:`~torch_tpu.estimator.replay.ReplayRunner` is the
+    capturing one: the plain step for warm-up, one capture, then a replay per step of the bucket.
     """
 
     def __init__(self, key: tuple, step: StepFn, end_step: Callable[[], None]) -> None:
@@ -56,8 +55,10 @@ class StepBuilder:
     """The step of one ``fit`` run, and its runners by shape bucket."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, loss: Loss, clip: float | None,
-                 execution: Execution) -> None:
+                 execution: Execution, mesh: Callable[[], Any] = lambda: None) -> None:
         self.model, self.opt, self.loss, self.clip, self.execution = model, opt, loss, clip, execution
+        # mode="auto": the optimizer is made capturable now, before the first step makes its state
+        self.replay: ReplayPlan | None = ReplayPlan(model, opt, mesh) if execution.replay else None
         step_one, step_many = self._step_one, self._step_many
         if execution.mode == "compile":
             # Dynamo specialises on a Python-float learning rate and would recompile whenever a
@@ -70,16 +71,21 @@ class StepBuilder:
         self.step: StepFn = lambda micro: step_one(micro[0]) if len(micro) == 1 else step_many(micro)
         self._runners: dict[tuple, StepRunner] = {}
 
-    def runner(self, group: list[Batch]) -> StepRunner:
+    def runner(self, group: list[Batch]) -> StepRunner | ReplayRunner:
         """The runner of ``group``'s shape bucket, built on the bucket's first step."""
         key = bucket_key(group)
+        if self.replay is not None:  # a graph freezes the real row counts the loss divides by
+            key = (*key, tuple(b.size for b in group))
         r = self._runners.get(key)
         if r is None:
-            r = self._runners[key] = StepRunner(key, self.step, self.execution.end_step)
+            if self.replay is not None:
+                r = self._runners[key] = ReplayRunner(key, self.step, self.execution.end_step, self.replay)
+            else:
+                r = self._runners[key] = StepRunner(key, self.step, self.execution.end_step)
         return r
 
     @property
-    def runners(self) -> list[StepRunner]:
+    def runners(self) -> list[StepRunner | ReplayRunner]:
         return list(self._runners.values())
 
     # ------------------------------------------------------------------ the step function

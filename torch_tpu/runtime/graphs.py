@@ -170,6 +170,19 @@ def _check_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 _active: list[TPUGraph] = []
 
+_KEEP_EXECUTABLES = 32
+_executables: dict[tuple, Any] = {}  # the compiled graphs by what they recorded (see TPUGraph._build)
+
+
+def _constant_key(w: tuple) -> tuple:
+    """A wiring entry for the executable cache: a frozen number by type and exact text (1, 1.0 and
+    True are equal keys in a dict, and so are 0.0 and -0.0, but not in a program)."""
+    return ("k", type(w[1]), repr(w[1])) if w[0] == "k" else w
+
+
+def _arg_key(x: Any) -> tuple:
+    return (tuple(np.shape(x)), str(x.dtype), getattr(x, "sharding", None))
+
 
 def is_current_stream_capturing() -> bool:
     """Whether a graph is being captured (tpu has one stream, so: whether any is)."""
@@ -342,14 +355,26 @@ class TPUGraph:
                 env.append(res if program.multi else (res,))
             return [env[i][j] for i, j in outputs]
 
-        try:
-            compiled = jax.jit(replay, donate_argnums=tuple(donate)).lower(*args).compile()
-        except Exception as e:
-            from torch_tpu.runtime import cache
+        # A capture that recorded what an earlier one did (the same ops, constants, inputs' shapes,
+        # dtypes and layouts, donations and outputs) takes its executable: a training loop captures
+        # its padded last batch, whose step differs from the others only in the mask's values.
+        exe_key = (tuple((program, tuple(_constant_key(w) for w in wiring)) for program, wiring in key),
+                   tuple(donate), tuple(outputs), tuple(_arg_key(x) for x in args))
+        compiled = _executables.get(exe_key)
+        if compiled is None:
+            try:
+                compiled = jax.jit(replay, donate_argnums=tuple(donate)).lower(*args).compile()
+            except Exception as e:
+                from torch_tpu.runtime import cache
 
-            raise cache._trace_error(e, tuple(key), sites) from e
-        seconds = time.perf_counter() - t0
-        metrics.count_compile(f"tpu graph ({len(nodes)} ops)", seconds)
+                raise cache._trace_error(e, tuple(key), sites) from e
+            if len(_executables) >= _KEEP_EXECUTABLES:
+                _executables.pop(next(iter(_executables)))
+            _executables[exe_key] = compiled
+            seconds = time.perf_counter() - t0
+            metrics.count_compile(f"tpu graph ({len(nodes)} ops)", seconds)
+        else:
+            seconds = 0.0
 
         slot = {o: i for i, o in enumerate(outputs)}
         bound = {p for p, _ in inputs}

@@ -23,6 +23,7 @@ compile_seconds: collections.Counter[str] = collections.Counter()
 transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
 # torch.compile graphs run op by op in eager mode (a data-dependent shape), by the op that forced it
 eager_graphs: collections.Counter[str] = collections.Counter()
+compile_totals = [0, 0.0]  # the sums of compile_counts and compile_seconds, for callers that ask every step
 
 
 def count_compile(name: str, seconds: float) -> None:
@@ -32,6 +33,8 @@ def count_compile(name: str, seconds: float) -> None:
     with _lock:
         compile_counts[name] += 1
         compile_seconds[name] += seconds
+        compile_totals[0] += 1
+        compile_totals[1] += seconds
 
 
 _on_reset: list[Callable[[], None]] = []  # other counters cleared with these (the fused cache's statistics)
@@ -50,6 +53,7 @@ def reset() -> None:
     for c in (op_counts, fallback_counts, decomposition_counts, host_op_counts, compile_counts, compile_seconds,
               transfer_bytes, eager_graphs):
         c.clear()
+    compile_totals[:] = [0, 0.0]
     for clear in _on_reset:
         clear()
 
