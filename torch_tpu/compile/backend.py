@@ -29,16 +29,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch._decomp
 
 from torch_tpu import _checks as value_checks
-from torch_tpu import _device, _dtypes, _rng
+from torch_tpu import _device, _dtypes, _rng, _storage
 from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import executor, fused, metrics
-from torch_tpu.runtime.executor import Program, deferred, execute
+from torch_tpu.runtime.executor import Program, execute
 
 
 def _assert_scalar(cond: Any, msg: str) -> None:
@@ -490,7 +491,25 @@ class _Tensor(tuple):
 
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+_HOST = "host"  # the third element of a key entry for a 0-d CPU tensor input: ((), dtype, _HOST)
+_PLAIN_CPU = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                        torch.int16, torch.int8, torch.uint8, torch.bool))
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bool = False) -> Callable:
+    """One graph AOTAutograd hands over (a forward, a backward, or an inference graph such as an
+    optimizer step) as the function AOTAutograd calls per step.
+
+    A call reads its inputs' arrays, records the graph's :class:`Program` into the pending trace,
+    writes the inputs it mutates and wraps its outputs. 0-d CPU inputs (an optimizer's step counts)
+    travel as one vector per dtype, not as an array each: the trace then has 2 inputs where
+    AdamW has one per parameter, each of which costs a host-to-device transfer per step.
+
+    ``reduce_overhead`` (``mode="reduce-overhead"``): once the graph has one program and no
+    symbolic sizes, calls trust Dynamo's guards (and, for a backward, the autograd engine's checks)
+    for the inputs' shapes, dtypes and devices instead of building and looking up the input
+    signature each time; the inputs' storages are still checked as in the default mode.
+    """
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -502,68 +521,130 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
     graph_id = id(cache)
+    n_out = len(out_metas)
+    n_mutated = len(mutated)
+    # per output: 0 a tensor, 1 a number (or anything else), 2 computed on the host
+    out_kinds = [2 if i in host_outs else 0 if isinstance(m, torch.Tensor) else 1 for i, m in enumerate(out_metas)]
+    out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
+    checks = fn.checks
+    Lazy = fused.Lazy
+    trusted: list[Program] = []  # reduce-overhead: the one program, once Dynamo's guards stand for its key
+    can_trust = reduce_overhead and not symbols
+
+    def program_for(key: list) -> Program:
+        """The program for this input signature, built on first sight."""
+        statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
+        host_at: dict[int, tuple[int, int]] = {}  # input position -> (vector, element)
+        groups: dict[Any, list] = {}
+        for i, k in enumerate(key):
+            if isinstance(k, tuple) and len(k) == 3:
+                g = groups.setdefault(k[1], [])
+                host_at[i] = (list(groups).index(k[1]), len(g))
+                g.append(i)
+        n_arrays = sum(1 for i, k in enumerate(key) if isinstance(k, tuple) and i not in host_at)
+        n = len(key)
+
+        def body(*xs: Any) -> tuple:
+            # the first 2 * n_random inputs are the random ops' (seed, counter) pairs, then the
+            # arrays, then one vector per dtype of 0-d CPU inputs
+            rng = [(xs[2 * i], xs[2 * i + 1]) for i in range(n_random)]
+            start = 2 * n_random
+            it = iter(xs[start:start + n_arrays])
+            vectors = xs[start + n_arrays:]
+            values = []
+            for i in range(n):
+                if i in statics:
+                    values.append(statics[i])
+                elif i in host_at:
+                    g, j = host_at[i]
+                    values.append(vectors[g][j])
+                else:
+                    values.append(next(it))
+            return fn(rng, *values)
+
+        plain = [(tuple(k[0]), *k[1:]) if isinstance(k, tuple) else k for k in key]
+        # the input signature as a short checksum: shapes show in the trace's wiring anyway
+        signature = zlib.crc32(repr(plain).encode())
+        labelled = tuple((f"graph input {i}", _Tensor(k[:2]) if isinstance(k, tuple) else k)
+                         for i, k in enumerate(plain))
+        program = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals, key=labelled)
+        if avals is not None:
+            program.shapes[()] = avals  # known from the trace: recording skips the abstract run
+        return program
 
     def run(args: list) -> list:
-        with deferred():
+        previous = executor.defer()
+        try:
             return _run(args)
+        finally:
+            executor.undefer(previous)
 
     def _run(args: list) -> list:
-        arrays, key = [], []
+        arrays: list = []
+        key: list = []
+        host: dict[Any, list] = {}  # dtype -> the values of 0-d CPU inputs
+        trust = trusted and _storage._capture is None  # a graph capture checks every input
         for a in args:
             if isinstance(a, torch.Tensor):
                 if a.device == TPU_DEVICE:
-                    arrays.append(read(a))
+                    st = a.untyped_storage()
+                    v = st._jx
+                    # the whole storage, holding a concrete array: read's common case, inline
+                    if (type(v) is Lazy or v is None or _storage._capture is not None or a.dtype is not st._dtype
+                            or a.shape != st._shape or a.storage_offset() or not a.is_contiguous()):
+                        v = read(a)
+                    arrays.append(v)
+                    if not trust:
+                        key.append((a.shape, a.dtype))
+                elif a.dim() == 0 and a.dtype in _PLAIN_CPU:
+                    # read now: AOTAutograd's host part writes the step count's new value after
+                    host.setdefault(a.dtype, []).append(a.item())
+                    if not trust:
+                        key.append(((), a.dtype, _HOST))
                 else:
-                    # a CPU tensor: an optimizer's step counter, or a batch the graph moves to tpu
-                    # (torch's trace already refused one used on tpu without a move). A copy: XLA:CPU
-                    # may alias host memory, and the program runs after AOTAutograd has written the
-                    # new value into this tensor (the step counter)
+                    # a CPU tensor: a batch the graph moves to tpu (torch's trace already refused one
+                    # used on tpu without a move). A copy: XLA:CPU may alias host memory
                     arrays.append(_dtypes.cpu_to_numpy(a).copy())
-                key.append((tuple(a.shape), a.dtype))
+                    if not trust:
+                        key.append((a.shape, a.dtype))
             else:
                 key.append(a)
+        vectors = [np.array(vs, dtype=_dtypes.to_jax(dt)) for dt, vs in host.items()] if host else ()
         if executor.recording():
             fused.begin_graph(graph_id, arrays)
         # after the inputs are read: the host part updates CPU inputs in place
-        host_results = run_host(args) if run_host is not None else {}
-        targets = [args[i] for i in mutated]
+        host_results = run_host(args) if run_host is not None else None
+        targets = [args[i] for i in mutated] if n_mutated else ()
         args.clear()  # the boxed calling convention: free inputs as soon as possible
-        program = cache.get(tuple(key))
-        if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
-            statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
-
-            def body(*xs: Any, _statics=statics, _n=len(key)) -> tuple:
-                # the first 2 * n_random inputs are the random ops' (seed, counter) pairs
-                rng = [(xs[2 * i], xs[2 * i + 1]) for i in range(n_random)]
-                it = iter(xs[2 * n_random:])
-                return fn(rng, *[_statics[i] if i in _statics else next(it) for i in range(_n)])
-
-            # the input signature as a short checksum: shapes show in the trace's wiring anyway
-            signature = zlib.crc32(repr(key).encode())
-            labelled = tuple((f"graph input {i}", _Tensor(k) if isinstance(k, tuple) else k)
-                             for i, k in enumerate(key))
-            program = cache[tuple(key)] = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals,
-                                                  key=labelled)
-            if avals is not None:
-                program.shapes[()] = avals  # known from the trace: recording skips the abstract run
+        if trust:
+            program = trusted[0]
+        else:
+            program = cache.get(tuple(key))
+            if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
+                program = cache[tuple(key)] = program_for(key)
+            if can_trust and not trusted and len(cache) == 1 and all(isinstance(k, tuple) for k in key):
+                trusted.append(program)
         # recorded, the graph is compiled by XLA with the trace that holds it, and counted there;
         # in debug mode the program counts its own compile when it first runs
-        rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
-        outs = execute(program, *rng, *arrays)
-        n_out = len(out_metas)
-        for t, v in zip(targets, outs[n_out:n_out + len(targets)]):
+        if n_random:
+            outs = execute(program, *[x for _ in range(n_random) for x in _rng.next_inputs()], *arrays, *vectors)
+        else:
+            outs = execute(program, *arrays, *vectors)
+        arrays = None
+        for t, v in zip(targets, outs[n_out:n_out + n_mutated]):
             write(t, v)
-        for (error, meta), v in zip(fn.checks, outs[n_out + len(targets):]):
-            flag = new_tensor(tuple(meta.shape), meta.dtype, v)
-            value_checks.check_values(flag, _nonzero, (), error)
+        if checks:
+            for (error, meta), v in zip(checks, outs[n_out + n_mutated:]):
+                flag = new_tensor(tuple(meta.shape), meta.dtype, v)
+                value_checks.check_values(flag, _nonzero, (), error)
         results = []
-        for i, (o, meta) in enumerate(zip(outs, out_metas)):
-            if i in host_results:
+        for i, (o, kind, dtype) in enumerate(zip(outs, out_kinds, out_dtypes)):
+            if kind == 0:
+                results.append(new_tensor(o.shape, dtype, o) if o is not None else None)
+            elif kind == 2:
                 results.append(host_results[i])
-            elif isinstance(meta, torch.Tensor):
-                results.append(new_tensor(tuple(o.shape), meta.dtype, o) if o is not None else None)
             else:
-                results.append(_scalar_output(o, meta, key, symbols))
+                results.append(_scalar_output(o, out_metas[i], key, symbols))
         return results
 
     run._boxed_call = True  # AOTAutograd passes a list it may clear
@@ -660,10 +741,15 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
                 options: dict | None = None) -> Callable:
     """The Dynamo backend registered as ``"tpu"``.
 
-    ``torch.compile`` passes its ``mode`` and ``options`` on to the backend. Every mode compiles the
-    same XLA program: XLA makes its own fusion and tuning choices, and there are no CUDA graphs to
-    capture. ``options`` are inductor's settings; none means anything here, so they raise rather
-    than be ignored."""
+    ``torch.compile`` passes its ``mode`` and ``options`` on to the backend (torch hands a
+    registered backend ``mode`` unless it is ``"default"``). Every mode compiles the same XLA
+    program: XLA makes its own fusion and tuning choices. Every mode also replays a training step's
+    program once it repeats (one executable call, see ``fused._Template``), which is what CUDA
+    graphs give ``"reduce-overhead"`` on CUDA; ``"reduce-overhead"`` here further trusts Dynamo's
+    guards for the graphs' input signatures (see :func:`_compile`). Unlike CUDA graphs, no mode
+    overwrites earlier outputs: each call's outputs are new tensors, so values kept from one step
+    stay valid after the next. ``options`` are inductor's settings; none means anything here, so
+    they raise rather than be ignored."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     if mode is not None and mode not in _MODES:
@@ -679,8 +765,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     _no_inductor_for_optimizer_guards()
     _no_guard_latency_profile()
     try:
+        compiler = functools.partial(_compile, reduce_overhead=True) if mode == "reduce-overhead" else _compile
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
+            gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler, decompositions=_decompositions(),
             keep_inference_input_mutations=True,
         )
     except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
