@@ -489,7 +489,7 @@ def test_reduce_overhead_training_matches_cpu_and_keeps_outputs(mode):
         torch.testing.assert_close(ot.detach().cpu(), oc.detach(), rtol=RTOL, atol=ATOL)
     for b, a in zip(pt, pc):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
-    assert len({float(lt) for lt, _ in kept_tpu}) == len(kept_tpu)  # every step its own loss
+    assert len({float(lt.detach()) for lt, _ in kept_tpu}) == len(kept_tpu)  # every step its own loss
     assert cache.cache_stats()["hits"] - before >= 3  # the repeated steps ran a compiled program again
 
 

@@ -583,15 +583,22 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
         arrays: list = []
         key: list = []
         host: dict[Any, list] = {}  # dtype -> the values of 0-d CPU inputs
-        trust = trusted and _storage._capture is None  # a graph capture checks every input
+        capture = _storage._capture
+        trust = trusted and capture is None  # a graph capture checks every input
+        recording = executor.recording()
         for a in args:
             if isinstance(a, torch.Tensor):
                 if a.device == TPU_DEVICE:
                     st = a.untyped_storage()
                     v = st._jx
-                    # the whole storage, holding a concrete array: read's common case, inline
-                    if (type(v) is Lazy or v is None or _storage._capture is not None or a.dtype is not st._dtype
-                            or a.shape != st._shape or a.storage_offset() or not a.is_contiguous()):
+                    if type(v) is Lazy:
+                        if v.value is not None:
+                            v = st._jx = v.value  # computed by an earlier trace: drop the placeholder
+                        elif not recording:
+                            v = None  # read() runs its trace
+                    # the whole storage: read's common case, inline
+                    if (v is None or capture is not None or a.dtype is not st._dtype or a.shape != st._shape
+                            or a.storage_offset() or not a.is_contiguous()):
                         v = read(a)
                     arrays.append(v)
                     if not trust:
@@ -610,7 +617,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
             else:
                 key.append(a)
         vectors = [np.array(vs, dtype=_dtypes.to_jax(dt)) for dt, vs in host.items()] if host else ()
-        if executor.recording():
+        if recording:
             fused.begin_graph(graph_id, arrays)
         # after the inputs are read: the host part updates CPU inputs in place
         host_results = run_host(args) if run_host is not None else None
@@ -632,7 +639,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
             outs = execute(program, *arrays, *vectors)
         arrays = None
         for t, v in zip(targets, outs[n_out:n_out + n_mutated]):
-            write(t, v)
+            st = t.untyped_storage()
+            # write's common case, inline: the whole storage, with a value of its shape and dtype
+            if (capture is None and t.dtype is st._dtype and v is not None and v.shape == st._shape
+                    and t.shape == st._shape and not t.storage_offset() and t.is_contiguous()
+                    and v.dtype == _dtypes.TORCH_TO_JAX.get(st._dtype)):
+                _storage._replace(st, v)
+            else:
+                write(t, v)
         if checks:
             for (error, meta), v in zip(checks, outs[n_out + n_mutated:]):
                 flag = new_tensor(tuple(meta.shape), meta.dtype, v)
