@@ -492,7 +492,8 @@ def test_reduce_overhead_training_matches_cpu_and_keeps_outputs(mode):
     for b, a in zip(pt, pc):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
     assert len({float(lt.detach()) for lt, _ in kept_tpu}) == len(kept_tpu)  # every step its own loss
-    assert cache.cache_stats()["hits"] >= 3  # the repeated steps ran a compiled program again
+    if torch_tpu.get_eager_mode() is not torch_tpu.EagerMode.DEBUG:  # debug mode runs each graph at once
+        assert cache.cache_stats()["hits"] >= 3  # the repeated steps ran a compiled program again
 
 
 def test_reduce_overhead_equals_default_mode():

@@ -334,7 +334,7 @@ def read(t: torch.Tensor) -> Any:
     """The jax value of tpu tensor ``t``, in ``t``'s own shape."""
     st = t.untyped_storage()
     size = t.shape
-    if t.dtype is not st._dtype:  # view_as_real / view_as_complex: the same bytes, another element type
+    if t.dtype != st._dtype:  # view_as_real / view_as_complex: the same bytes, another element type
         prog = _alias_read_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
                                    t.storage_offset())
         return execute(prog, base_array(st))
@@ -353,7 +353,7 @@ def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
     size = t.shape
-    if t.dtype is not st._dtype:
+    if t.dtype != st._dtype:
         prog = _alias_write_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
                                     t.storage_offset())
         _replace(st, execute(prog, base_array(st), value))

@@ -637,7 +637,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
                             v = st._jx = v.value
                         elif not recording:
                             v = None
-                    if (v is None or a.dtype is not st._dtype or a.shape != st._shape or a.storage_offset()
+                    if (v is None or a.dtype != st._dtype or a.shape != st._shape or a.storage_offset()
                             or not a.is_contiguous()):
                         v = read(a)
                     arrays.append(v)
@@ -659,7 +659,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
                             elif not recording:
                                 v = None  # read() runs its trace
                         # the whole storage: read's common case, inline
-                        if (v is None or capture is not None or a.dtype is not st._dtype or a.shape != st._shape
+                        if (v is None or capture is not None or a.dtype != st._dtype or a.shape != st._shape
                                 or a.storage_offset() or not a.is_contiguous()):
                             v = read(a)
                         arrays.append(v)
@@ -706,7 +706,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
         for t, v in zip(targets, outs[n_out:n_out + n_mutated]):
             st = t.untyped_storage()
             # write's common case, inline: the whole storage, with a value of its shape and dtype
-            if (capture is None and t.dtype is st._dtype and v is not None and v.shape == st._shape
+            if (capture is None and t.dtype == st._dtype and v is not None and v.shape == st._shape
                     and t.shape == st._shape and not t.storage_offset() and t.is_contiguous()
                     and v.dtype == _dtypes.TORCH_TO_JAX.get(st._dtype)):
                 _storage._replace(st, v)
