@@ -445,3 +445,63 @@ def test_guard_latency_is_profiled_only_when_logged():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "True", "True"], out.stdout
+
+
+def _adamw_steps(mode: str | None, steps: int = 6) -> tuple[list, list, list, list]:
+    """A compiled AdamW training step on tpu beside the same step on CPU, with a new batch each step
+    copied into one static input (as CUDA-graph code does) and the losses of every step kept."""
+    from torch_tpu.runtime import cache
+
+    cache.reset_stats()  # each call builds new graphs at the same lines: no recompile count across calls
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    mt = copy.deepcopy(m).to("tpu")
+    opts = [torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1) for net in (m, mt)]
+    static_x = torch.zeros(5, 8, device="tpu")
+
+    def step(net, opt, x):
+        opt.zero_grad(set_to_none=True)
+        out = net(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss, out
+
+    compiled = torch.compile(step, backend="tpu", mode=mode)
+    kept_tpu, kept_cpu = [], []
+    for _ in range(steps):
+        x = torch.randn(5, 8)
+        static_x.copy_(x)
+        kept_tpu.append(compiled(mt, opts[1], static_x))
+        kept_cpu.append(step(m, opts[0], x))
+    return kept_tpu, kept_cpu, list(mt.parameters()), list(m.parameters())
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_reduce_overhead_training_matches_cpu_and_keeps_outputs(mode):
+    """``mode="reduce-overhead"`` (torch hands it to the backend) replays the step's program: an
+    AdamW step over refreshed inputs gives CPU's losses, outputs and weights at every step, and
+    outputs kept from earlier steps still hold their own step's values after later steps ran,
+    which CUDA graphs' overwritten static outputs would not."""
+    from torch_tpu.runtime import cache
+
+    kept_tpu, kept_cpu, pt, pc = _adamw_steps(mode)
+    for (lt, ot), (lc, oc) in zip(kept_tpu, kept_cpu):  # read after all steps ran
+        torch.testing.assert_close(lt.detach().cpu(), lc.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(ot.detach().cpu(), oc.detach(), rtol=RTOL, atol=ATOL)
+    for b, a in zip(pt, pc):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
+    assert len({float(lt.detach()) for lt, _ in kept_tpu}) == len(kept_tpu)  # every step its own loss
+    if torch_tpu.get_eager_mode() is not torch_tpu.EagerMode.DEBUG:  # debug mode runs each graph at once
+        assert cache.cache_stats()["hits"] >= 3  # the repeated steps ran a compiled program again
+
+
+def test_reduce_overhead_equals_default_mode():
+    """The two modes run the same programs: identical losses and weights, bit for bit."""
+    ro, _, pro, _ = _adamw_steps("reduce-overhead", steps=4)
+    torch._dynamo.reset()
+    de, _, pde, _ = _adamw_steps(None, steps=4)
+    for (a, _), (b, _) in zip(ro, de):
+        assert torch.equal(a.detach().cpu(), b.detach().cpu())
+    for a, b in zip(pro, pde):
+        assert torch.equal(a.detach().cpu(), b.detach().cpu())

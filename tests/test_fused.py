@@ -270,3 +270,33 @@ def test_an_unusable_cache_directory_warns_and_runs_on(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "cannot be created" in r.stderr and "will not persist across processes" in r.stderr
     assert float(r.stdout) > 0
+
+
+def test_a_repeated_trace_replays_only_when_everything_matches(fused_mode):
+    """A trace that repeats the last one of its op sequence runs its executable at once; one whose
+    inputs now alias differently, have another shape, or keep other results alive takes the full
+    path and is still right."""
+    a, b = torch.randn(3, device="tpu"), torch.randn(3, device="tpu")
+    c = torch.randn(4, device="tpu")
+    replays = []
+    original = fused._Template.replay
+
+    def counting(self, *args):
+        replays.append(original(self, *args))
+        return replays[-1]
+
+    fused._Template.replay = counting
+    try:
+        for x, y, keep in [(a, b, False), (a, b, False), (a, a, False), (b, b, False), (a, b, True),
+                           (a, b, False), (c, c, False), (b, a, False)]:
+            cx, cy = x.cpu(), y.cpu()
+            doubled = x * 2
+            out = doubled + y
+            if not keep:
+                del doubled  # an intermediate: not an output of the trace
+            torch.testing.assert_close(out.cpu(), cx * 2 + cy)
+            if keep:
+                torch.testing.assert_close(doubled.cpu(), cx * 2)
+    finally:
+        fused._Template.replay = original
+    assert True in replays and False in replays  # some traces replayed, some differed and did not

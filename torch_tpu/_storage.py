@@ -365,32 +365,39 @@ def base_array(st: Any) -> Any:
 def read(t: torch.Tensor) -> Any:
     """The jax value of tpu tensor ``t``, in ``t``'s own shape."""
     st = t.untyped_storage()
-    size = tuple(t.shape)
+    size = t.shape
     if t.dtype != st._dtype:  # view_as_real / view_as_complex: the same bytes, another element type
-        prog = _alias_read_program(st._shape, st._dtype, t.dtype, size, tuple(t.stride()), t.storage_offset())
+        prog = _alias_read_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
+                                   t.storage_offset())
         return execute(prog, base_array(st))
-    if size == st._shape and t.storage_offset() == 0 and t.is_contiguous():
-        return base_array(st)
-    prog = _read_program(st._shape, size, tuple(t.stride()), t.storage_offset(), _dtypes.to_jax(st._dtype))
+    if size == st._shape and not t.storage_offset() and t.is_contiguous():
+        a = st._jx
+        if type(a) is fused.Lazy and a.value is not None:
+            a = st._jx = a.value  # computed: drop the placeholder (as base_array does)
+        if a is None or _capture is not None or type(a) is fused.Lazy:
+            return base_array(st)
+        return a
+    prog = _read_program(st._shape, tuple(size), tuple(t.stride()), t.storage_offset(), _dtypes.to_jax(st._dtype))
     return execute(prog, base_array(st))
 
 
 def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
-    size = tuple(t.shape)
+    size = t.shape
     if t.dtype != st._dtype:
-        prog = _alias_write_program(st._shape, st._dtype, t.dtype, size, tuple(t.stride()), t.storage_offset())
+        prog = _alias_write_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
+                                    t.storage_offset())
         _replace(st, execute(prog, base_array(st), value))
         return
     jdt = _dtypes.to_jax(st._dtype)
-    if size == st._shape and t.storage_offset() == 0 and t.is_contiguous():  # the whole storage
+    if size == st._shape and not t.storage_offset() and t.is_contiguous():  # the whole storage
         if getattr(value, "dtype", None) == jdt and tuple(getattr(value, "shape", ())) == size:
             _replace(st, value)
         else:  # cast and broadcast only: the old contents are not read (nor made, for an empty tensor)
-            _replace(st, execute(_fill_program(size, jdt), value))
+            _replace(st, execute(_fill_program(tuple(size), jdt), value))
         return
-    prog = _write_program(st._shape, size, tuple(t.stride()), t.storage_offset(), jdt)
+    prog = _write_program(st._shape, tuple(size), tuple(t.stride()), t.storage_offset(), jdt)
     _replace(st, execute(prog, base_array(st), value))
 
 

@@ -29,16 +29,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch._decomp
 
 from torch_tpu import _checks as value_checks
-from torch_tpu import _device, _dtypes, _rng
+from torch_tpu import _device, _dtypes, _rng, _storage
 from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import executor, fused, metrics
-from torch_tpu.runtime.executor import Program, deferred, execute
+from torch_tpu.runtime.executor import Program, execute
 
 
 def _assert_scalar(cond: Any, msg: str) -> None:
@@ -446,6 +447,16 @@ def _host_program(gm: torch.fx.GraphModule, host: list[torch.fx.Node],
     graph's inputs and returns the host outputs by output position; mutations happen in place.
     Interpreting the nodes one by one cost AdamW's 59 (29 step counters) 0.35 ms per step."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    counted = _counters_incremented(host) if not outs else None
+    if counted is not None:  # an optimizer's step counts, += 1 each: one in-place foreach op
+        positions = [placeholders.index(p) for p in counted[0]]
+        op, scalar = torch.ops.aten._foreach_add_.Scalar, counted[1]
+
+        def increment(args: list) -> dict[int, Any]:
+            op([args[i] for i in positions], scalar)
+            return {}
+
+        return increment
     inputs_read = {a for n in host for a in n.all_input_nodes if a.op == "placeholder"}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -475,6 +486,36 @@ def _host_program(gm: torch.fx.GraphModule, host: list[torch.fx.Node],
         return dict(zip(keys, module(*[args[i] for i in positions])))
 
     return run
+
+
+def _counters_incremented(host: list[torch.fx.Node]) -> tuple[list[torch.fx.Node], Any] | None:
+    """(inputs, n) when the host nodes are ``copy_(x_i, _foreach_add(xs, n)[i])`` for every input
+    ``x_i`` of floating dtype, which is what AOTAutograd makes of AdamW's ``state_steps += 1``:
+    then ``_foreach_add_(xs, n)`` does the same in place, at two thirds of the cost. None otherwise."""
+    if not host or host[0].target is not torch.ops.aten._foreach_add.Scalar or host[0].kwargs:
+        return None
+    add = host[0]
+    xs, n = add.args[0], add.args[1]
+    if (not isinstance(n, (int, float)) or isinstance(n, bool) or len(set(xs)) != len(xs)
+            or not all(isinstance(x, torch.fx.Node) and x.op == "placeholder" for x in xs)):
+        return None
+    items = {}
+    copied = set()
+    for node in host[1:]:
+        if node.target is operator.getitem and node.args[0] is add and not node.kwargs:
+            items[node] = node.args[1]
+        elif (node.target is torch.ops.aten.copy_.default and not node.kwargs and not node.users
+              and node.args[1] in items and node.args[0] is xs[items[node.args[1]]]):
+            copied.add(items[node.args[1]])
+        else:
+            return None
+    if copied != set(range(len(xs))) or len(items) != len(xs):
+        return None
+    for x in xs:
+        v = x.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+            return None
+    return list(xs), n
 
 
 def _static_avals(metas: list) -> list | None:
@@ -536,7 +577,25 @@ class _Tensor(tuple):
 
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+_HOST = "host"  # the third element of a key entry for a 0-d CPU tensor input: ((), dtype, _HOST)
+_PLAIN_CPU = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                        torch.int16, torch.int8, torch.uint8, torch.bool))
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bool = False) -> Callable:
+    """One graph AOTAutograd hands over (a forward, a backward, or an inference graph such as an
+    optimizer step) as the function AOTAutograd calls per step.
+
+    A call reads its inputs' arrays, records the graph's :class:`Program` into the pending trace,
+    writes the inputs it mutates and wraps its outputs. 0-d CPU inputs (an optimizer's step counts)
+    travel as one vector per dtype, not as an array each: the trace then has 2 inputs where
+    AdamW has one per parameter, each of which costs a host-to-device transfer per step.
+
+    ``reduce_overhead`` (``mode="reduce-overhead"``): once the graph has one program and no
+    symbolic sizes, calls trust Dynamo's guards (and, for a backward, the autograd engine's checks)
+    for the inputs' shapes, dtypes and devices instead of building and looking up the input
+    signature each time; the inputs' storages are still checked as in the default mode.
+    """
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -548,68 +607,169 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
     graph_id = id(cache)
+    n_out = len(out_metas)
+    n_mutated = len(mutated)
+    # per output: 0 a tensor, 1 a number (or anything else), 2 computed on the host
+    out_kinds = [2 if i in host_outs else 0 if isinstance(m, torch.Tensor) else 1 for i, m in enumerate(out_metas)]
+    out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
+    checks = fn.checks
+    Lazy = fused.Lazy
+    trusted: list[Program] = []  # reduce-overhead: the one program, once Dynamo's guards stand for its key
+    kinds: list[int] = []  # reduce-overhead: per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
+    can_trust = reduce_overhead and not symbols
+
+    def program_for(key: list) -> Program:
+        """The program for this input signature, built on first sight."""
+        statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
+        host_at: dict[int, tuple[int, int]] = {}  # input position -> (vector, element)
+        groups: dict[Any, list] = {}
+        for i, k in enumerate(key):
+            if isinstance(k, tuple) and len(k) == 3:
+                g = groups.setdefault(k[1], [])
+                host_at[i] = (list(groups).index(k[1]), len(g))
+                g.append(i)
+        n_arrays = sum(1 for i, k in enumerate(key) if isinstance(k, tuple) and i not in host_at)
+        n = len(key)
+
+        def body(*xs: Any) -> tuple:
+            # the first 2 * n_random inputs are the random ops' (seed, counter) pairs, then the
+            # arrays, then one vector per dtype of 0-d CPU inputs
+            rng = [(xs[2 * i], xs[2 * i + 1]) for i in range(n_random)]
+            start = 2 * n_random
+            it = iter(xs[start:start + n_arrays])
+            vectors = xs[start + n_arrays:]
+            values = []
+            for i in range(n):
+                if i in statics:
+                    values.append(statics[i])
+                elif i in host_at:
+                    g, j = host_at[i]
+                    values.append(vectors[g][j])
+                else:
+                    values.append(next(it))
+            return fn(rng, *values)
+
+        plain = [(tuple(k[0]), *k[1:]) if isinstance(k, tuple) else k for k in key]
+        # the input signature as a short checksum: shapes show in the trace's wiring anyway
+        signature = zlib.crc32(repr(plain).encode())
+        labelled = tuple((f"graph input {i}", _Tensor(k[:2]) if isinstance(k, tuple) else k)
+                         for i, k in enumerate(plain))
+        program = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals, key=labelled)
+        if avals is not None:
+            program.shapes[()] = avals  # known from the trace: recording skips the abstract run
+        return program
 
     def run(args: list) -> list:
-        with deferred():
+        previous = executor.defer()
+        try:
             return _run(args)
+        finally:
+            executor.undefer(previous)
 
     def _run(args: list) -> list:
-        arrays, key = [], []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if a.device == TPU_DEVICE:
-                    arrays.append(read(a))
+        arrays: list = []
+        key: list = []
+        host: dict[Any, list] = {}  # dtype -> the values of 0-d CPU inputs
+        capture = _storage._capture
+        trust = trusted and capture is None  # a graph capture checks every input
+        recording = executor.recording()
+        if trust:  # Dynamo's guards fixed each input's device, dims and dtype: its kind is known
+            for a, kind in zip(args, kinds):
+                if kind == 0:
+                    st = a.untyped_storage()
+                    v = st._jx
+                    if type(v) is Lazy:
+                        if v.value is not None:
+                            v = st._jx = v.value
+                        elif not recording:
+                            v = None
+                    if (v is None or a.dtype != st._dtype or a.shape != st._shape or a.storage_offset()
+                            or not a.is_contiguous()):
+                        v = read(a)
+                    arrays.append(v)
+                elif kind == 1:
+                    host.setdefault(a.dtype, []).append(a.item())
                 else:
-                    # a CPU tensor: an optimizer's step counter, or a batch the graph moves to tpu
-                    # (torch's trace already refused one used on tpu without a move). A copy: XLA:CPU
-                    # may alias host memory, and the program runs after AOTAutograd has written the
-                    # new value into this tensor (the step counter)
                     arrays.append(_dtypes.cpu_to_numpy(a).copy())
-                key.append((tuple(a.shape), a.dtype))
-            else:
-                key.append(a)
-        if executor.recording():
+        else:
+            learn = can_trust and not trusted
+            kinds.clear()
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    if a.device == TPU_DEVICE:
+                        st = a.untyped_storage()
+                        v = st._jx
+                        if type(v) is Lazy:
+                            if v.value is not None:
+                                v = st._jx = v.value  # computed by an earlier trace: drop the placeholder
+                            elif not recording:
+                                v = None  # read() runs its trace
+                        # the whole storage: read's common case, inline
+                        if (v is None or capture is not None or a.dtype != st._dtype or a.shape != st._shape
+                                or a.storage_offset() or not a.is_contiguous()):
+                            v = read(a)
+                        arrays.append(v)
+                        key.append((a.shape, a.dtype))
+                        if learn:
+                            kinds.append(0)
+                    elif a.dim() == 0 and a.dtype in _PLAIN_CPU:
+                        # read now: AOTAutograd's host part writes the step count's new value after
+                        host.setdefault(a.dtype, []).append(a.item())
+                        key.append(((), a.dtype, _HOST))
+                        if learn:
+                            kinds.append(1)
+                    else:
+                        # a CPU tensor: a batch the graph moves to tpu (torch's trace already refused one
+                        # used on tpu without a move). A copy: XLA:CPU may alias host memory
+                        arrays.append(_dtypes.cpu_to_numpy(a).copy())
+                        key.append((a.shape, a.dtype))
+                        if learn:
+                            kinds.append(2)
+                else:
+                    key.append(a)
+        vectors = [np.array(vs, dtype=_dtypes.to_jax(dt)) for dt, vs in host.items()] if host else ()
+        if recording:
             fused.begin_graph(graph_id, arrays)
         # after the inputs are read: the host part updates CPU inputs in place
-        host_results = run_host(args) if run_host is not None else {}
-        targets = [args[i] for i in mutated]
+        host_results = run_host(args) if run_host is not None else None
+        targets = [args[i] for i in mutated] if n_mutated else ()
         args.clear()  # the boxed calling convention: free inputs as soon as possible
-        program = cache.get(tuple(key))
-        if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
-            statics = {i: k for i, k in enumerate(key) if not isinstance(k, tuple)}
-
-            def body(*xs: Any, _statics=statics, _n=len(key)) -> tuple:
-                # the first 2 * n_random inputs are the random ops' (seed, counter) pairs
-                rng = [(xs[2 * i], xs[2 * i + 1]) for i in range(n_random)]
-                it = iter(xs[2 * n_random:])
-                return fn(rng, *[_statics[i] if i in _statics else next(it) for i in range(_n)])
-
-            # the input signature as a short checksum: shapes show in the trace's wiring anyway
-            signature = zlib.crc32(repr(key).encode())
-            labelled = tuple((f"graph input {i}", _Tensor(k) if isinstance(k, tuple) else k)
-                             for i, k in enumerate(key))
-            program = cache[tuple(key)] = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals,
-                                                  key=labelled)
-            if avals is not None:
-                program.shapes[()] = avals  # known from the trace: recording skips the abstract run
+        if trust:
+            program = trusted[0]
+        else:
+            program = cache.get(tuple(key))
+            if program is None:  # a new set of shapes, or new values of symbolic sizes (ints)
+                program = cache[tuple(key)] = program_for(key)
+            if can_trust and not trusted and len(cache) == 1 and all(isinstance(k, tuple) for k in key):
+                trusted.append(program)
         # recorded, the graph is compiled by XLA with the trace that holds it, and counted there;
         # in debug mode the program counts its own compile when it first runs
-        rng = [x for _ in range(n_random) for x in _rng.next_inputs()]
-        outs = execute(program, *rng, *arrays)
-        n_out = len(out_metas)
-        for t, v in zip(targets, outs[n_out:n_out + len(targets)]):
-            write(t, v)
-        for (error, meta), v in zip(fn.checks, outs[n_out + len(targets):]):
-            flag = new_tensor(tuple(meta.shape), meta.dtype, v)
-            value_checks.check_values(flag, _nonzero, (), error)
-        results = []
-        for i, (o, meta) in enumerate(zip(outs, out_metas)):
-            if i in host_results:
-                results.append(host_results[i])
-            elif isinstance(meta, torch.Tensor):
-                results.append(new_tensor(tuple(o.shape), meta.dtype, o) if o is not None else None)
+        if n_random:
+            outs = execute(program, *[x for _ in range(n_random) for x in _rng.next_inputs()], *arrays, *vectors)
+        else:
+            outs = execute(program, *arrays, *vectors)
+        arrays = None
+        for t, v in zip(targets, outs[n_out:n_out + n_mutated]):
+            st = t.untyped_storage()
+            # write's common case, inline: the whole storage, with a value of its shape and dtype
+            if (capture is None and t.dtype == st._dtype and v is not None and v.shape == st._shape
+                    and t.shape == st._shape and not t.storage_offset() and t.is_contiguous()
+                    and v.dtype == _dtypes.TORCH_TO_JAX.get(st._dtype)):
+                _storage._replace(st, v)
             else:
-                results.append(_scalar_output(o, meta, key, symbols))
+                write(t, v)
+        if checks:
+            for (error, meta), v in zip(checks, outs[n_out + n_mutated:]):
+                flag = new_tensor(tuple(meta.shape), meta.dtype, v)
+                value_checks.check_values(flag, _nonzero, (), error)
+        results = []
+        for i, (o, kind, dtype) in enumerate(zip(outs, out_kinds, out_dtypes)):
+            if kind == 0:
+                results.append(new_tensor(o.shape, dtype, o) if o is not None else None)
+            elif kind == 2:
+                results.append(host_results[i])
+            else:
+                results.append(_scalar_output(o, out_metas[i], key, symbols))
         return results
 
     run._boxed_call = True  # AOTAutograd passes a list it may clear
@@ -706,10 +866,15 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
                 options: dict | None = None) -> Callable:
     """The Dynamo backend registered as ``"tpu"``.
 
-    ``torch.compile`` passes its ``mode`` and ``options`` on to the backend. Every mode compiles the
-    same XLA program: XLA makes its own fusion and tuning choices, and there are no CUDA graphs to
-    capture. ``options`` are inductor's settings; none means anything here, so they raise rather
-    than be ignored."""
+    ``torch.compile`` passes its ``mode`` and ``options`` on to the backend (torch hands a
+    registered backend ``mode`` unless it is ``"default"``). Every mode compiles the same XLA
+    program: XLA makes its own fusion and tuning choices. Every mode also replays a training step's
+    program once it repeats (one executable call, see ``fused._Template``), which is what CUDA
+    graphs give ``"reduce-overhead"`` on CUDA; ``"reduce-overhead"`` here further trusts Dynamo's
+    guards for the graphs' input signatures (see :func:`_compile`). Unlike CUDA graphs, no mode
+    overwrites earlier outputs: each call's outputs are new tensors, so values kept from one step
+    stay valid after the next. ``options`` are inductor's settings; none means anything here, so
+    they raise rather than be ignored."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     if mode is not None and mode not in _MODES:
@@ -725,8 +890,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     _no_inductor_for_optimizer_guards()
     _no_guard_latency_profile()
     try:
+        compiler = functools.partial(_compile, reduce_overhead=True) if mode == "reduce-overhead" else _compile
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
+            gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler, decompositions=_decompositions(),
             keep_inference_input_mutations=True,
         )
     except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)

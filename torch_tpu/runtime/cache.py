@@ -272,53 +272,67 @@ def _choose(variants: list[Entry], want: list) -> Entry | None:
 
 def run_trace(
     key: Any, donate: tuple[int, ...], want: list, args: list, sites: list, flush_site: Any, reason: str
-) -> tuple[list, dict]:
+) -> tuple[list, Entry]:
     """Runs one trace: a cached executable when its fingerprint matches, else a fresh compile.
-    ``donate``: the positions of inputs whose buffers the program may reuse."""
-    _stats["requests"] += 1
+    ``donate``: the positions of inputs whose buffers the program may reuse. Returns the outputs
+    and the entry that ran (its ``slots`` place each wanted output among them)."""
     variants = _entries.get((key, donate))
     entry = _choose(variants, want) if variants else None
-    if entry is None:
-        outputs = list(want)  # its order pairs donated inputs with the outputs that replace them
-        try:
-            compiled, seconds = _build(key, donate, outputs, args)
-        except Exception as e:
-            _trace_error(e, key, sites)
-        site = _site_key(flush_site, reason, key)
-        previous = _last_key_at_site.get(site)
-        now = (key, donate, frozenset(outputs))
-        if variants:  # the same trace and donations: the outputs kept differ from every compiled variant
-            closest = min(variants, key=lambda e: len(e.outputs ^ now[2]))
-            _record_recompile(site, _outputs_difference(closest.outputs, now[2], key))
-        elif previous is not None:
-            _record_recompile(site, explain(previous, now, sites))
-        _last_key_at_site[site] = now
-        entry = Entry(
-            fingerprint=_fingerprint(key),
-            ops=len(key),
-            outputs=frozenset(outputs),
-            slots={o: i for i, o in enumerate(outputs)},
-            compiled=compiled,
-            compile_seconds=seconds,
-        )
-        _entries.setdefault((key, donate), []).append(entry)
-        _stats["misses"] += 1
-        _stats["compile_seconds"] += seconds
-        metrics.count_compile(f"fused program {entry.fingerprint} ({entry.ops} ops)", seconds)
-    else:
-        entry.hits += 1
-        _stats["hits"] += 1
-        _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, want)  # a set only if explained
+    if entry is not None:
+        return run_entry(entry, key, donate, want, args, flush_site, reason), entry
+    _stats["requests"] += 1
+    outputs = list(want)  # its order pairs donated inputs with the outputs that replace them
+    try:
+        compiled, seconds = _build(key, donate, outputs, args)
+    except Exception as e:
+        _trace_error(e, key, sites)
+    site = _site_key(flush_site, reason, key)
+    previous = _last_key_at_site.get(site)
+    now = (key, donate, frozenset(outputs))
+    if variants:  # the same trace and donations: the outputs kept differ from every compiled variant
+        closest = min(variants, key=lambda e: len(e.outputs ^ now[2]))
+        _record_recompile(site, _outputs_difference(closest.outputs, now[2], key))
+    elif previous is not None:
+        _record_recompile(site, explain(previous, now, sites))
+    _last_key_at_site[site] = now
+    entry = Entry(
+        fingerprint=_fingerprint(key),
+        ops=len(key),
+        outputs=frozenset(outputs),
+        slots={o: i for i, o in enumerate(outputs)},
+        compiled=compiled,
+        compile_seconds=seconds,
+    )
+    _entries.setdefault((key, donate), []).append(entry)
+    _stats["misses"] += 1
+    _stats["compile_seconds"] += seconds
+    metrics.count_compile(f"fused program {entry.fingerprint} ({entry.ops} ops)", seconds)
     entry.last_use = time.time()
+    return _call(entry, key, args), entry
+
+
+def run_entry(entry: Entry, key: Any, donate: tuple[int, ...], want: list, args: list, flush_site: Any,
+              reason: str) -> list:
+    """Runs a trace whose compiled entry is known (a cache hit): counted as :func:`run_trace`
+    counts a hit. The fused trace's replay path calls this directly when a trace repeats the last
+    one of its op sequence exactly (``fused._Template``), skipping the fingerprint lookup."""
+    _stats["requests"] += 1
+    entry.hits += 1
+    _stats["hits"] += 1
+    _last_key_at_site[_site_key(flush_site, reason, key)] = (key, donate, want)  # a set only if explained
+    entry.last_use = time.time()
+    return _call(entry, key, args)
+
+
+def _call(entry: Entry, key: Any, args: list) -> list:
     try:
         prof = metrics.profile
         if prof is None:
-            values = entry.compiled(*args)
-        else:
-            values = prof.timed(f"fused program {entry.fingerprint} ({entry.ops} ops)", entry.compiled, *args)
+            return entry.compiled(*args)
+        return prof.timed(f"fused program {entry.fingerprint} ({entry.ops} ops)", entry.compiled, *args)
     except Exception as e:
         raise_named(e, f"the fused program of {len(key)} ops (fingerprint {entry.fingerprint}) failed")
-    return values, entry.slots
+        raise  # raise_named always raises
 
 
 def _trace_error(e: Exception, key: Any, sites: list) -> None:

@@ -114,14 +114,26 @@ def deferred() -> Iterator[None]:
     become one XLA program. Until that trace runs, strict mode records the eager ops between the
     graphs as well (a loss, an optimizer step outside the compiled region), so they join the
     program; a host read, or the next step's first graph, runs it."""
+    previous = defer()
+    try:
+        yield
+    finally:
+        undefer(previous)
+
+
+def defer() -> EagerMode:
+    """:func:`deferred`'s entry, without a context manager (whose generator costs a compiled
+    graph's call more than the rest of the switch): returns what :func:`undefer` restores."""
     global _mode
     previous = _mode
     if previous is EagerMode.STRICT:
         _mode = EagerMode.FUSED
-    try:
-        yield
-    finally:
-        _mode = previous
+    return previous
+
+
+def undefer(previous: EagerMode) -> None:
+    global _mode
+    _mode = previous
 
 
 _before_capture: list[EagerMode] = []

@@ -33,6 +33,7 @@ _lock = threading.RLock()  # autograd records backward ops from its own thread
 _pending: list[Node] = []
 _created: list[Lazy] = []  # every placeholder of the pending trace; those still used elsewhere are its outputs
 _graphs: set[int] = set()  # the compiled graphs (by id) recorded in the pending trace
+_templates: dict[tuple, _Template] = {}  # op sequence (programs) -> the last trace that ran with it
 MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
 
 
@@ -333,6 +334,10 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
         _graphs.clear()
         live = _alive()
         position = {id(n): i for i, n in enumerate(nodes)}
+        programs = tuple(n.program for n in nodes)
+        template = _templates.get(programs)
+        if template is not None and template.replay(nodes, live, position, site, reason):
+            return
         args: list = []
         descs: dict[int, tuple] = {}  # per array input: ("a", position, shape, dtype, layout), shared by its uses
         arg_pos: dict[int, int] = {}
@@ -366,19 +371,125 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
         x = n = None  # drop the loop's references before counting them
         donate = _donatable(args, uses, [nodes[i].avals[j] for i, j in want])
         want = _paired(want, live, position, args, donate)
+        key = tuple(wiring_all)
         try:
-            values, slots = cache.run_trace(
-                tuple(wiring_all), donate, want, args, sites, site or user_site(), reason
-            )
+            values, entry = cache.run_trace(key, donate, want, args, sites, site or user_site(), reason)
         except Exception as e:  # the trace is dropped; its tensors say why when read
             for r in live:
                 r.error, r.node = e, None
             raise
-        for r in live:
-            if r.node is None:
-                continue
-            r.value = values[slots[(position[id(r.node)], r.index)]]
-            r.node = None
+        _bind(live, position, values, entry.slots)
+        if _one_device and _one_device[0] and len(_templates) < _MAX_TEMPLATES:
+            _templates[programs] = _Template(nodes, key, args, uses, donate, want, entry)
+
+
+def _bind(live: list[Lazy], position: dict, values: list, slots: dict) -> None:
+    for r in live:
+        if r.node is None:
+            continue
+        r.value = values[slots[(position[id(r.node)], r.index)]]
+        r.node = None
+
+
+_SCALARS = (float, int, bool, complex)
+_MAX_TEMPLATES = 4096
+
+
+class _Template:
+    """The last trace that ran with a given op sequence, kept so that the next one like it (the
+    next training step) runs its executable at once: one walk over the recorded inputs checks that
+    the trace is the same (wiring, array shapes and dtypes, which arrays alias), that the same
+    placeholders are alive and the same inputs may be donated, and collects the arguments. This
+    skips building the trace's fingerprint, hashing it, and choosing donations and output order,
+    which cost a training step more host time than the executable call itself. Anything that
+    differs takes the full path, which compiles or finds the program as before."""
+
+    __slots__ = ("spec", "key", "n_args", "want", "free", "candidates", "donate", "paired", "entry")
+
+    def __init__(self, nodes: list, key: tuple, args: list, uses: dict, donate: tuple, paired: list,
+                 entry: Any) -> None:
+        # per node, its inputs: ("n", node position, output index), ("s", Python type) for a number,
+        # or (argument position, type, shape, dtype) for an array
+        spec = []
+        for n, (_, wiring) in zip(nodes, key):
+            per = []
+            for x, w in zip(n.inputs, wiring):
+                if w[0] == "n":
+                    per.append(w)
+                elif w[0] == "s":
+                    per.append(("s", w[2]))
+                else:
+                    per.append((w[1], type(x), w[2], w[3]))
+            # a program with one input signature (the dispatcher's, a compiled graph's) is only
+            # recorded with arrays of that signature: its inputs' shapes need no check
+            spec.append((tuple(per), n.program.fixed is None))
+        self.spec = spec
+        self.key = key
+        self.n_args = len(args)
+        self.want = set(paired)
+        # what _donatable decides from: the outputs' (shape, dtype) counts, and per jax array input
+        # (in order) the reference count at which nothing outside the trace holds it
+        free: dict[tuple, int] = {}
+        for i, j in paired:
+            a = nodes[i].avals[j]
+            k = (tuple(a.shape), a.dtype)
+            free[k] = free.get(k, 0) + 1
+        self.free = free
+        self.candidates = tuple((p, c + 2, (tuple(args[p].shape), args[p].dtype))
+                                for p, c in uses.items() if isinstance(args[p], jax.Array))
+        self.donate = donate
+        self.paired = paired
+        self.entry = entry
+
+    def replay(self, nodes: list, live: list, position: dict, site: Any, reason: str) -> bool:
+        """Runs the trace if it matches; False (nothing done) if it does not."""
+        args: list = []
+        seen: set[int] = set()
+        scalars = _SCALARS
+        for n, (per, check) in zip(nodes, self.spec):
+            ins = n.inputs
+            if len(ins) != len(per):
+                return False
+            for x, s in zip(ins, per):
+                t = type(x)
+                if t is _Ref:
+                    if s[0] != "n" or x.node is not nodes[s[1]] or x.index != s[2]:
+                        return False
+                elif t in scalars:
+                    if s[0] != "s" or s[1] is not t:
+                        return False
+                    args.append(x)
+                else:
+                    p = s[0]
+                    if p == len(args):  # its first use: a new array, of the same type, shape and dtype
+                        if t is not s[1] or id(x) in seen or (check and (x.shape != s[2] or x.dtype != s[3])):
+                            return False
+                        seen.add(id(x))
+                        args.append(x)
+                    elif type(p) is not int or p > len(args) or args[p] is not x:
+                        return False
+        x = n = None  # drop the loop's references before counting them
+        if len(args) != self.n_args:
+            return False
+        if {(position[id(r.node)], r.index) for r in live if r.node is not None} != self.want:
+            return False
+        free = dict(self.free)
+        donate = []
+        for p, limit, k in self.candidates:  # _donatable's choice, for the same trace
+            if sys.getrefcount(args[p]) <= limit and free.get(k):
+                free[k] -= 1
+                donate.append(p)
+        if tuple(donate) != self.donate:
+            return False
+        entry = self.entry
+        try:
+            values = cache.run_entry(entry, self.key, self.donate, self.paired, args, site or user_site(), reason)
+        except Exception as e:  # the trace is dropped; its tensors say why when read
+            for r in live:
+                r.error, r.node = e, None
+            raise
+        _bind(live, position, values, entry.slots)
+        return True
 
 
 # Set by torch_tpu.runtime.graphs while a graph is captured: called with the reason of each flush;
