@@ -238,8 +238,31 @@ lower(aten.hypot.default)(_binary_float(jnp.hypot))
 lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
 lower(aten.logaddexp.default)(_binary_float(jnp.logaddexp))
 lower(aten.logaddexp2.default)(_binary_float(jnp.logaddexp2))
-lower(aten.igamma.default)(_binary_float(jsp.gammainc))
-lower(aten.igammac.default)(_binary_float(jsp.gammaincc))
+
+
+def _igamma_edges(a, x, value, lower_tail: bool):
+    """CPU's values at the edges of the regularized incomplete gamma functions, where XLA's
+    series give NaN or the other tail: a = 0 (the whole mass at 0), x = 0, an infinite a (no
+    mass below any finite x) or x; a negative argument is NaN. ``value`` elsewhere."""
+    one, zero = (1.0, 0.0) if lower_tail else (0.0, 1.0)
+    nan = jnp.nan
+    out = jnp.where(jnp.isinf(x), one, value)
+    out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, zero), out)
+    out = jnp.where(x == 0, zero, out)
+    out = jnp.where(a == 0, jnp.where(x > 0, one, nan), out)
+    return jnp.where((x < 0) | (a < 0), nan, out).astype(value.dtype)
+
+
+@lower(aten.igamma.default)
+def igamma(self, other):
+    a, x = _common(self, other, floating=True)
+    return _igamma_edges(a, x, jsp.gammainc(a, x), lower_tail=True)
+
+
+@lower(aten.igammac.default)
+def igammac(self, other):
+    a, x = _common(self, other, floating=True)
+    return _igamma_edges(a, x, jsp.gammaincc(a, x), lower_tail=False)
 
 
 @lower(aten.nextafter.default)
@@ -437,19 +460,44 @@ def _unary_float(fn, doc: str = ""):
 
 
 for _op, _fn in (
-    (aten.exp, jnp.exp), (aten.exp2, jnp.exp2), (aten.expm1, jnp.expm1), (aten.log, jnp.log),
+    (aten.exp2, jnp.exp2), (aten.expm1, jnp.expm1), (aten.log, jnp.log),
     (aten.log2, jnp.log2), (aten.log10, jnp.log10), (aten.log1p, jnp.log1p), (aten.sqrt, jnp.sqrt),
     (aten.rsqrt, lax.rsqrt), (aten.sin, jnp.sin), (aten.cos, jnp.cos), (aten.tan, jnp.tan),
     (aten.asin, jnp.arcsin), (aten.acos, jnp.arccos), (aten.atan, jnp.arctan), (aten.sinh, jnp.sinh),
     (aten.cosh, jnp.cosh), (aten.tanh, jnp.tanh), (aten.asinh, jnp.arcsinh), (aten.acosh, jnp.arccosh),
     (aten.atanh, jnp.arctanh), (aten.erf, lax.erf), (aten.erfc, lax.erfc), (aten.erfinv, lax.erf_inv),
-    (aten.lgamma, lax.lgamma), (aten.i0, jsp.i0), (aten.special_i0e, jsp.i0e), (aten.special_i1, jsp.i1),
+    (aten.i0, jsp.i0), (aten.special_i0e, jsp.i0e), (aten.special_i1, jsp.i1),
     (aten.special_i1e, jsp.i1e), (aten.special_ndtri, jsp.ndtri), (aten.special_log_ndtr, jsp.log_ndtr),
     (aten.special_erfcx, jsp.erfcx), (aten.special_entr, jsp.entr),
     (aten.special_modified_bessel_i0, jsp.i0), (aten.special_modified_bessel_i1, jsp.i1),
     (aten.sigmoid, jax.nn.sigmoid),
 ):
     lower(_op)(_unary_float(_fn))
+
+
+@lower(aten.exp.default)
+def exp(self):
+    """exp; of a complex z, C99's (and CPU's) values where exp(re) * (cos + i sin) would multiply
+    an infinity by NaN or by zero: an imaginary part of 0 stays exactly 0 (exp(inf + 0j) is
+    inf + 0j), exp(-inf + i*inf or nan) is 0, exp(inf + i*inf or nan) is inf + i*nan."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jnp.exp(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    mag = jnp.exp(re)
+    real = jnp.where(im == 0, mag, mag * jnp.cos(im))
+    imag = jnp.where(im == 0, im, mag * jnp.sin(im))
+    im_bad = ~jnp.isfinite(im)
+    real = jnp.where(im_bad & (re == -jnp.inf), 0.0, jnp.where(im_bad & (re == jnp.inf), jnp.inf, real))
+    imag = jnp.where(im_bad & (re == -jnp.inf), 0.0, jnp.where(im_bad & (re == jnp.inf), jnp.nan, imag))
+    return lax.complex(real.astype(re.dtype), imag.astype(re.dtype))
+
+
+@lower(aten.lgamma.default)
+def lgamma(self):
+    """log|gamma|, exactly 0 at 1 and 2 as on CPU (XLA's approximation is a few ulps off there)."""
+    x = _fl(self)
+    return jnp.where((x == 1) | (x == 2), jnp.zeros_like(x), lax.lgamma(x))
 
 
 @lower(aten.reciprocal.default)
