@@ -91,14 +91,18 @@ def test_non_boolean_out_of_isposinf_and_frexp_dtypes():
         torch.frexp(x, out=(torch.empty_like(x), torch.empty_like(x, dtype=torch.int64)))
 
 
+_PARTS = [INF, -INF, NAN, 0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 1.5707964, -1.5707964, 1e30]
+
+
+@pytest.mark.parametrize("name", ["exp", "exp2", "abs", "sqrt", "rsqrt", "reciprocal", "sigmoid", "atan", "atanh",
+                                  "asinh"])
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
-def test_complex_exp_special_values(dtype):
-    """C99's exp at infinities and NaN, as CPU and NumPy give it: no inf * NaN products."""
-    zs = [complex(INF, 0), complex(0, INF), complex(INF, INF), complex(INF, NAN), complex(NAN, INF),
-          complex(-INF, INF), complex(-INF, NAN), complex(-INF, 0), complex(NAN, 0), complex(1, 2),
-          complex(-1, 0.5), complex(80, 0)]
-    t = torch.tensor(zs, dtype=dtype)
-    torch.testing.assert_close(torch.exp(t.to("tpu")).cpu(), torch.exp(t), equal_nan=True)
+def test_complex_special_values(name, dtype):
+    """Every pair of parts from infinities, NaN, zero and a few finite numbers: C99's values as
+    CPU gives them (no inf * NaN in exp, hypot's inf in abs, Smith division's NaNs in 1/z)."""
+    t = torch.tensor([complex(a, b) for a in _PARTS for b in _PARTS], dtype=dtype)
+    fn = getattr(torch, name)
+    torch.testing.assert_close(fn(t.to("tpu")).cpu(), fn(t), equal_nan=True, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
