@@ -75,6 +75,8 @@ def test_complex_abs_into_a_wider_or_narrower_out():
         tpu = torch.abs(z.to("tpu"), out=torch.empty(0, dtype=do, device="tpu"))
         assert tpu.dtype == do
         torch.testing.assert_close(tpu.cpu(), cpu)
+    with pytest.raises(RuntimeError, match="In-place abs is not supported for complex tensors"):
+        z.to("tpu").abs_()
     with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
         torch.angle(z.to("tpu"), out=torch.empty(0, dtype=torch.long, device="tpu"))
 

@@ -206,14 +206,15 @@ class _OpKernel:
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
     def _out_dtype_refused(self, e: Exception, args: tuple, kwargs: dict, sig: str) -> list:
-        """The meta kernel refused the call: re-raised, named, unless it refused an ``out``
+        """The meta kernel refused the call: re-raised, named (in CPU's words when it refused an
+        out or in-place tensor's dtype and CPU refuses too), unless it refused an ``out``
         tensor's dtype that CPU accepts (``abs`` of complex into float16): then the results'
         metas are the functional op's, in the out tensors' dtypes (the program casts)."""
         where = f"{self.name}({sig})"
-        if self.kind != "out" or not _out_dtypes.is_meta_dtype_refusal(e):
+        if self.kind == "functional" or not _out_dtypes.is_meta_dtype_refusal(e):
             raise_named(_tidy(e), where)
-        verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)
-        functional = _functional_of(self.op) if verdict is None else None
+        verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)  # in place too: abs_ of complex
+        functional = _functional_of(self.op) if verdict is None and self.kind == "out" else None
         if functional is None:
             raise_named(verdict if isinstance(verdict, BaseException) else _tidy(e), where)
         plain = {k: v for k, v in kwargs.items() if k not in self.out_names}
