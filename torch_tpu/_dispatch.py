@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _rng, _shape_churn, _storage
+from torch_tpu import _dtypes, _out_dtypes, _rng, _shape_churn, _storage
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -145,7 +145,12 @@ class _OpKernel:
         try:
             metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
-            raise_named(_tidy(e), f"{self.name}({sig})")
+            metas = self._out_dtype_refused(e, args, kwargs, sig)
+        else:
+            if self.kind == "out":
+                verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)
+                if isinstance(verdict, BaseException):  # an out dtype CPU refuses, with CPU's words
+                    raise_named(verdict, f"{self.name}({sig})")
         if self.kind == "inplace":
             metas = list(to_meta(args[0])) if isinstance(args[0], (list, tuple)) else [to_meta(args[0])]
         avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
@@ -200,6 +205,26 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
+    def _out_dtype_refused(self, e: Exception, args: tuple, kwargs: dict, sig: str) -> list:
+        """The meta kernel refused the call: re-raised, named (in CPU's words when it refused an
+        out or in-place tensor's dtype and CPU refuses too), unless it refused an ``out``
+        tensor's dtype that CPU accepts (``abs`` of complex into float16): then the results'
+        metas are the functional op's, in the out tensors' dtypes (the program casts)."""
+        where = f"{self.name}({sig})"
+        if self.kind == "functional" or not _out_dtypes.is_meta_dtype_refusal(e):
+            raise_named(_tidy(e), where)
+        verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)  # in place too: abs_ of complex
+        functional = _functional_of(self.op) if verdict is None and self.kind == "out" else None
+        if functional is None:
+            raise_named(verdict if isinstance(verdict, BaseException) else _tidy(e), where)
+        plain = {k: v for k, v in kwargs.items() if k not in self.out_names}
+        try:
+            metas = meta_outputs(functional, args, plain, None)
+        except Exception as e2:
+            raise_named(_tidy(e2), where)
+        return [m if m is None else torch.empty_like(m, dtype=kwargs[n].dtype)
+                for m, n in zip(metas, self.out_names)]
+
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         metrics.op_counts[self.name] += 1
@@ -223,6 +248,10 @@ class _OpKernel:
                 key = (pos, kw, kwargs["memory_format"])
         else:
             key = (pos, ())
+        if self.kind == "out":
+            # the out tensors' dtypes decide the meta kernel's checks and the program's casts: a
+            # program built for a uint8 ``out`` must not serve an int64 one
+            key = (*key, tuple([getattr(kwargs.get(n), "dtype", None) for n in self.out_names]))
         entry = self.cache.get(key)
         if entry is None:
             if self.kind == "functional" and not self.lowering.random and _shape_churn.on_host(name, key, args, kwargs):
@@ -264,6 +293,18 @@ class _OpKernel:
         if self.single:
             return tensors[0]
         return tensors if self.returns_list else tuple(tensors)
+
+
+def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The functional overload an ``out=`` overload writes the results of (same arguments, less
+    the out tensors), or None."""
+    outs = _out_args(out_op)
+    names = [a.name for a in out_op._schema.arguments if a not in outs]
+    packet = getattr(aten, out_op._schema.name.split("::")[1], None)
+    for cand in dispatcher_overloads(packet) if packet is not None else ():
+        if not is_mutating(cand) and [a.name for a in cand._schema.arguments] == names:
+            return cand
+    return None
 
 
 def _tidy(e: Exception) -> Exception:

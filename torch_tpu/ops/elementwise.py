@@ -238,8 +238,31 @@ lower(aten.hypot.default)(_binary_float(jnp.hypot))
 lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
 lower(aten.logaddexp.default)(_binary_float(jnp.logaddexp))
 lower(aten.logaddexp2.default)(_binary_float(jnp.logaddexp2))
-lower(aten.igamma.default)(_binary_float(jsp.gammainc))
-lower(aten.igammac.default)(_binary_float(jsp.gammaincc))
+
+
+def _igamma_edges(a, x, value, lower_tail: bool):
+    """CPU's values at the edges of the regularized incomplete gamma functions, where XLA's
+    series give NaN or the other tail: a = 0 (the whole mass at 0), x = 0, an infinite a (no
+    mass below any finite x) or x; a negative argument is NaN. ``value`` elsewhere."""
+    one, zero = (1.0, 0.0) if lower_tail else (0.0, 1.0)
+    nan = jnp.nan
+    out = jnp.where(jnp.isinf(x), one, value)
+    out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, zero), out)
+    out = jnp.where(x == 0, zero, out)
+    out = jnp.where(a == 0, jnp.where(x > 0, one, nan), out)
+    return jnp.where((x < 0) | (a < 0), nan, out).astype(value.dtype)
+
+
+@lower(aten.igamma.default)
+def igamma(self, other):
+    a, x = _common(self, other, floating=True)
+    return _igamma_edges(a, x, jsp.gammainc(a, x), lower_tail=True)
+
+
+@lower(aten.igammac.default)
+def igammac(self, other):
+    a, x = _common(self, other, floating=True)
+    return _igamma_edges(a, x, jsp.gammaincc(a, x), lower_tail=False)
 
 
 @lower(aten.nextafter.default)
@@ -437,25 +460,153 @@ def _unary_float(fn, doc: str = ""):
 
 
 for _op, _fn in (
-    (aten.exp, jnp.exp), (aten.exp2, jnp.exp2), (aten.expm1, jnp.expm1), (aten.log, jnp.log),
-    (aten.log2, jnp.log2), (aten.log10, jnp.log10), (aten.log1p, jnp.log1p), (aten.sqrt, jnp.sqrt),
-    (aten.rsqrt, lax.rsqrt), (aten.sin, jnp.sin), (aten.cos, jnp.cos), (aten.tan, jnp.tan),
-    (aten.asin, jnp.arcsin), (aten.acos, jnp.arccos), (aten.atan, jnp.arctan), (aten.sinh, jnp.sinh),
-    (aten.cosh, jnp.cosh), (aten.tanh, jnp.tanh), (aten.asinh, jnp.arcsinh), (aten.acosh, jnp.arccosh),
-    (aten.atanh, jnp.arctanh), (aten.erf, lax.erf), (aten.erfc, lax.erfc), (aten.erfinv, lax.erf_inv),
-    (aten.lgamma, lax.lgamma), (aten.i0, jsp.i0), (aten.special_i0e, jsp.i0e), (aten.special_i1, jsp.i1),
+    (aten.expm1, jnp.expm1), (aten.log, jnp.log),
+    (aten.log2, jnp.log2), (aten.log10, jnp.log10), (aten.log1p, jnp.log1p),
+    (aten.sin, jnp.sin), (aten.cos, jnp.cos), (aten.tan, jnp.tan),
+    (aten.asin, jnp.arcsin), (aten.acos, jnp.arccos), (aten.sinh, jnp.sinh),
+    (aten.cosh, jnp.cosh), (aten.tanh, jnp.tanh), (aten.acosh, jnp.arccosh),
+    (aten.erf, lax.erf), (aten.erfc, lax.erfc), (aten.erfinv, lax.erf_inv),
+    (aten.i0, jsp.i0), (aten.special_i0e, jsp.i0e), (aten.special_i1, jsp.i1),
     (aten.special_i1e, jsp.i1e), (aten.special_ndtri, jsp.ndtri), (aten.special_log_ndtr, jsp.log_ndtr),
     (aten.special_erfcx, jsp.erfcx), (aten.special_entr, jsp.entr),
     (aten.special_modified_bessel_i0, jsp.i0), (aten.special_modified_bessel_i1, jsp.i1),
-    (aten.sigmoid, jax.nn.sigmoid),
 ):
     lower(_op)(_unary_float(_fn))
+
+
+@lower(aten.lgamma.default)
+def lgamma(self):
+    """log|gamma|, exactly 0 at 1 and 2 as on CPU (XLA's approximation is a few ulps off there)."""
+    x = _fl(self)
+    return jnp.where((x == 1) | (x == 2), jnp.zeros_like(x), lax.lgamma(x))
+
+
+def _complex_div(a, b):
+    """a / b for complex b as CPU's (and NumPy's) Smith division computes it: the ratio of b's
+    parts scales the quotient, so a b with an infinite or NaN part gives NaN where XLA's division
+    gives 0 (1 / (inf + i*inf) is nan + i*nan on CPU)."""
+    a = jnp.asarray(a, b.dtype)
+    ar, ai, c, d = jnp.real(a), jnp.imag(a), jnp.real(b), jnp.imag(b)
+    c_big = jnp.abs(c) >= jnp.abs(d)
+    zero = (c == 0) & (d == 0)
+    rat = jnp.where(c_big, d / jnp.where(zero, 1, c), c / d)
+    scl = 1 / jnp.where(c_big, c + d * rat, d + c * rat)
+    real = jnp.where(c_big, (ar + ai * rat) * scl, (ar * rat + ai) * scl)
+    imag = jnp.where(c_big, (ai - ar * rat) * scl, (ai * rat - ar) * scl)
+    real = jnp.where(zero, ar / jnp.abs(c), real)  # division by zero: a complex inf or nan
+    imag = jnp.where(zero, ai / jnp.abs(d), imag)
+    return lax.complex(real, imag)
+
+
+def _exp(x):
+    """exp; of a complex z, C99's (and CPU's) values where exp(re) * (cos + i sin) would multiply
+    an infinity by NaN or by zero: an imaginary part of 0 stays exactly 0 (exp(inf + 0j) is
+    inf + 0j), exp(-inf + i*inf or nan) is 0, exp(inf + i*inf or nan) is inf + i*nan."""
+    if not jnp.iscomplexobj(x):
+        return jnp.exp(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    mag = jnp.exp(re)
+    real = jnp.where(im == 0, mag, mag * jnp.cos(im))
+    imag = jnp.where(im == 0, im, mag * jnp.sin(im))
+    im_bad = ~jnp.isfinite(im)
+    real = jnp.where(im_bad & (re == -jnp.inf), 0.0, jnp.where(im_bad & (re == jnp.inf), jnp.inf, real))
+    imag = jnp.where(im_bad & (re == -jnp.inf), 0.0, jnp.where(im_bad & (re == jnp.inf), jnp.nan, imag))
+    return lax.complex(real.astype(re.dtype), imag.astype(re.dtype))
+
+
+def _sqrt(x):
+    """sqrt; of a complex z with an infinite imaginary part, inf + i*im whatever the real part
+    (NaN included), and on the branch cut the imaginary part's sign (-0's too: sqrt(-1 - 0j) is
+    -1j), as C99's csqrt and CPU give it."""
+    if not jnp.iscomplexobj(x):
+        return jnp.sqrt(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    r = jnp.sqrt(lax.complex(re, jnp.abs(im)))  # on the upper half, given im's sign back (also -0's)
+    r = lax.complex(jnp.real(r), jnp.copysign(jnp.imag(r), im))
+    return jnp.where(jnp.isinf(im), lax.complex(jnp.full_like(im, jnp.inf), im), r)
+
+
+@lower(aten.exp.default)
+def exp(self):
+    return _exp(_fl(self))
+
+
+@lower(aten.exp2.default)
+def exp2(self):
+    """2**x; of a complex z, exp(z * ln 2) with each part scaled on its own (a complex product
+    would turn inf + 0j into inf + i*nan)."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jnp.exp2(x)
+    ln2 = math.log(2.0)
+    return _exp(lax.complex(jnp.real(x) * ln2, jnp.imag(x) * ln2))
+
+
+@lower(aten.sqrt.default)
+def sqrt(self):
+    return _sqrt(_fl(self))
+
+
+@lower(aten.rsqrt.default)
+def rsqrt(self):
+    x = _fl(self)
+    return _complex_div(1, _sqrt(x)) if jnp.iscomplexobj(x) else lax.rsqrt(x)
+
+
+@lower(aten.sigmoid.default)
+def sigmoid(self):
+    """1 / (1 + exp(-x)); for complex x with CPU's exp at infinities and its division."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jax.nn.sigmoid(x)
+    return _complex_div(1, 1 + _exp(-x))
+
+
+@lower(aten.atan.default)
+def atan(self):
+    """arctan; of nan + i*inf (either sign) nan + i*0 with the sign of the imaginary part, and on
+    the branch cut the real part's sign (-0 + i*inf gives -pi/2), as CPU."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jnp.arctan(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    edge = jnp.isnan(re) & jnp.isinf(im)
+    r = jnp.arctan(lax.complex(jnp.abs(re), im))  # odd and conjugate-symmetric: re's sign (-0's too)
+    r = lax.complex(jnp.copysign(jnp.real(r), re), jnp.imag(r))
+    return jnp.where(edge, lax.complex(re, jnp.copysign(jnp.zeros_like(im), im)), r)
+
+
+@lower(aten.atanh.default)
+def atanh(self):
+    """arctanh; of +-inf + i*nan, +-0 + i*nan, and on the branch cut the imaginary part's sign
+    (inf - 0j gives -i*pi/2), as C99's catanh and CPU give it."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jnp.arctanh(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    edge = jnp.isinf(re) & jnp.isnan(im)
+    r = jnp.arctanh(lax.complex(re, jnp.abs(im)))  # conjugate-symmetric: im's sign (-0's too)
+    r = lax.complex(jnp.real(r), jnp.copysign(jnp.imag(r), im))
+    return jnp.where(edge, lax.complex(jnp.copysign(jnp.zeros_like(re), re), im), r)
+
+
+@lower(aten.asinh.default)
+def asinh(self):
+    """arcsinh; of a complex z computed on |re| and given re's sign back (asinh is odd and
+    conjugate-symmetric), so that -0 + i*y beyond the branch point gets the negative real part
+    CPU and C99 give it (XLA's gives +)."""
+    x = _fl(self)
+    if not jnp.iscomplexobj(x):
+        return jnp.arcsinh(x)
+    re, im = jnp.real(x), jnp.imag(x)
+    r = jnp.arcsinh(lax.complex(jnp.abs(re), im))
+    return lax.complex(jnp.copysign(jnp.real(r), re), jnp.imag(r))
 
 
 @lower(aten.reciprocal.default)
 def reciprocal(self):
     x = _fl(self)
-    return 1 / x
+    return _complex_div(1, x) if jnp.iscomplexobj(x) else 1 / x
 
 
 @lower(aten.neg.default)
@@ -465,7 +616,14 @@ def neg(self):
 
 @lower(aten.abs.default)
 def abs_(self):
-    return self if self.dtype == np.bool_ else jnp.abs(self)
+    """|x|; of a complex x with an infinite part, inf even when the other part is NaN (C99's
+    hypot, as CPU)."""
+    if self.dtype == np.bool_:
+        return self
+    if jnp.iscomplexobj(self):
+        re, im = jnp.real(self), jnp.imag(self)
+        return jnp.where(jnp.isinf(re) | jnp.isinf(im), jnp.inf, jnp.abs(self)).astype(re.dtype)
+    return jnp.abs(self)
 
 
 @lower(aten.sign.default)

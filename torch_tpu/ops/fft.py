@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dtypes
+from torch_tpu import _dtypes, _out_dtypes
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
 from torch_tpu.ops._registry import aten, kernel, lower
@@ -153,6 +153,10 @@ def conj_physical_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     """``conj_physical`` (and ``conj_physical_``, which CompositeExplicitAutograd routes here)."""
     if not is_tpu(out):
         raise device_mismatch("aten.conj_physical.out", out.device)
+    if out.dtype != self.dtype:  # CPU's rule for another out dtype (it wants the same), in its words
+        verdict = _out_dtypes.cpu_verdict(aten.conj_physical.out, (self,), {"out": out})
+        if isinstance(verdict, BaseException):
+            raise verdict
     meta = meta_outputs(aten.conj_physical.out, (self,), {"out": to_meta(out)})[0]
     shape = tuple(meta.shape)
     prog = _copy_program("aten.conj_physical", jnp.conj, tuple(self.shape), self.dtype, shape, out.dtype)
