@@ -123,6 +123,17 @@ def _grads(out: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return [None if g is None else g.detach().cpu() for g in gs]
 
 
+def _compare_grads(cpu: list, tpu: list) -> None:
+    """The tpu gradients equal CPU's: as many, the same ones undefined, the values close."""
+    if len(cpu) != len(tpu):
+        raise AssertionError(f"{len(cpu)} gradients on CPU, {len(tpu)} on tpu")
+    for a, b in zip(cpu, tpu):
+        if (a is None) != (b is None):
+            raise AssertionError("a gradient is missing on one side")
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
 def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
     """Runs one OpInfo on CPU and tpu and returns its verdict."""
     v = Verdict(op_key(op))
@@ -167,13 +178,7 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
                 continue
             tin, targs, tkw, tout = _sample_call(op, s, _to_tpu)
             tg = _grads(tout, _leaves(tin, targs, tkw))
-            if len(cg) != len(tg):
-                raise AssertionError("different number of gradients")
-            for a, b in zip(cg, tg):
-                if (a is None) != (b is None):
-                    raise AssertionError("a gradient is missing on one side")
-                if a is not None:
-                    torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, equal_nan=True)
+            _compare_grads(cg, tg)
         v.grad = True
     except Exception as e:
         v.error = f"grad: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -276,13 +281,7 @@ def check_compiled(op, max_samples: int = COMPILED_SAMPLES, grads: bool = True) 
             torch._dynamo.reset()
             tin, targs, tkw, tout = _sample_call(torch.compile(call, backend="tpu"), s, _to_tpu)
             tg = _grads(tout, _leaves(tin, targs, tkw))
-            if len(cg) != len(tg):
-                raise AssertionError(f"{len(cg)} gradients on CPU, {len(tg)} on tpu")
-            for a, b in zip(cg, tg):
-                if (a is None) != (b is None):
-                    raise AssertionError("a gradient is missing on one side")
-                if a is not None:
-                    torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, equal_nan=True)
+            _compare_grads(cg, tg)
         v.grad = True
     except Exception as e:
         v.error = f"compiled grad: {type(e).__name__}: {_first_line(e)}"
