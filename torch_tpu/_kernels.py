@@ -176,7 +176,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if target.type != "tpu":
         raise device_mismatch("aten._to_copy", target)
     _device.check_index(target.index)
-    if self.is_contiguous() and _shape_churn.on_host(
+    if not self.is_floating_point() and not self.is_complex() and self.is_contiguous() and _shape_churn.on_host(
             "aten._to_copy.default", (_shape_churn.signature(self), dtype), (self,), {}):
         return _shape_churn.run(aten._to_copy.default, (self,), {"dtype": dtype})
     if self.is_contiguous() or memory_format not in (None, torch.preserve_format):
