@@ -37,7 +37,7 @@ from torch_tpu.ops._registry import (
     dispatcher_overloads,
     is_mutating,
 )
-from torch_tpu.runtime import executor, metrics
+from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.errors import raise_named
 from torch_tpu.runtime.executor import Program, execute
 
@@ -98,6 +98,87 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
     if t is list or t is tuple:
         return tuple(_spec(x, dynamic, dyn, op_name) for x in a)
     return a
+
+
+_op_counts = metrics.op_counts  # never rebound (a reset clears it)
+_SLOW = object()  # _key_of's answer for an argument only _spec handles
+_Lazy = fused.Lazy
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_FLOAT_KEY = _Scalar((float,))
+_INT_KEY = _Scalar((int,))
+_BOOL_KEY = _Scalar((bool,))
+
+
+def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
+    """:func:`_spec` for the arguments of nearly every call (a tpu tensor whose array is at hand,
+    a number, a list of ints or of tensors), with the same runtime inputs and a key equal to
+    _spec's: its (shape, dtype) tuples are plain ones (a tuple subclass compares and hashes as a
+    tuple), which a kernel's cache lookup needs, while building a program needs _spec's types.
+    ``_SLOW`` (nothing appended) for anything else: an empty storage, a capture in progress, a
+    placeholder to run outside fused mode, a CPU tensor, a wrong device."""
+    t = type(a)
+    if t in _TENSOR_TYPES:
+        if a.device != TPU_DEVICE:
+            return _SLOW
+        st = a.untyped_storage()
+        dtype = a.dtype
+        v = st._jx
+        if dtype is not st._dtype or v is None or _storage._capture is not None:
+            return _SLOW
+        if type(v) is _Lazy:
+            if v.value is not None:
+                v = st._jx = v.value  # computed: drop the placeholder (as base_array does)
+            elif not executor.recording():
+                return _SLOW  # base_array runs the trace
+        size = a.shape
+        offset = a.storage_offset()
+        dyn.append(v)
+        if not offset and size == st._shape and a.is_contiguous():
+            return (size, dtype)
+        return (size, dtype, st._shape, a.stride(), offset)
+    if t is int or t is bool:
+        if dynamic == NUMBERS:
+            dyn.append(a)
+            return _INT_KEY if t is int else _BOOL_KEY
+        return a
+    if t is float:
+        if dynamic:
+            dyn.append(a)
+            return _FLOAT_KEY
+        return a
+    if t is list:
+        if not a:
+            return ()
+        if type(a[0]) is int and dynamic != NUMBERS:
+            for x in a:
+                if type(x) is not int:
+                    return _SLOW
+            return tuple(a)
+        out = []
+        start = len(dyn)
+        for x in a:
+            if type(x) in _TENSOR_TYPES and x.device == TPU_DEVICE:  # a foreach op's list: the case above, inline
+                st = x.untyped_storage()
+                v = st._jx
+                dtype = x.dtype
+                if type(v) is _Lazy and v.value is not None:
+                    v = st._jx = v.value
+                if (v is not None and dtype is st._dtype and not x.storage_offset() and _storage._capture is None
+                        and (type(v) is not _Lazy or executor.recording())):
+                    size = x.shape
+                    if size == st._shape and x.is_contiguous():
+                        dyn.append(v)
+                        out.append((size, dtype))
+                        continue
+            k = _key_of(x, dynamic, dyn)
+            if k is _SLOW:
+                del dyn[start:]  # _spec redoes the whole list
+                return _SLOW
+            out.append(k)
+        return tuple(out)
+    if a is None or t is torch.dtype:
+        return a
+    return _SLOW
 
 
 def _rebuild(s: Any, it) -> Any:
@@ -225,19 +306,11 @@ class _OpKernel:
         return [m if m is None else torch.empty_like(m, dtype=kwargs[n].dtype)
                 for m, n in zip(metas, self.out_names)]
 
-    # -- the kernel
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        metrics.op_counts[self.name] += 1
-        if self.lowering.check is not None:  # reads values on the host: never recorded
-            if executor.recording():
-                with executor.eager_section():
-                    self.lowering.check(*args, **kwargs)
-            else:
-                self.lowering.check(*args, **kwargs)
-        dyn: list = []
-        name = self.name
-        pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
+    def _signature(self, pos: tuple, args: tuple, kwargs: dict, dyn: list) -> tuple:
+        """The cache key of a call: its positional arguments' signature ``pos``, then the keyword
+        arguments' (their runtime inputs appended to ``dyn``)."""
         if kwargs:
+            name = self.name
             kw = tuple([
                 (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
                 for k, v in kwargs.items()
@@ -252,8 +325,31 @@ class _OpKernel:
             # the out tensors' dtypes decide the meta kernel's checks and the program's casts: a
             # program built for a uint8 ``out`` must not serve an int64 one
             key = (*key, tuple([getattr(kwargs.get(n), "dtype", None) for n in self.out_names]))
+        return key
+
+    # -- the kernel
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _op_counts[self.name] += 1
+        if self.lowering.check is not None:  # reads values on the host: never recorded
+            if executor.recording():
+                with executor.eager_section():
+                    self.lowering.check(*args, **kwargs)
+            else:
+                self.lowering.check(*args, **kwargs)
+        dyn: list = []
+        name = self.name
+        pos = []
+        for a, d in zip(args, self.pos_dynamic):
+            k = _key_of(a, d, dyn)
+            pos.append(_spec(a, d, dyn, name) if k is _SLOW else k)
+        pos = tuple(pos)
+        key = (pos, ()) if not kwargs and self.kind != "out" else self._signature(pos, args, kwargs, dyn)
         entry = self.cache.get(key)
         if entry is None:
+            # the key with _spec's types, which the program's rebuild and the churn pattern read
+            dyn = []
+            pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
+            key = self._signature(pos, args, kwargs, dyn)
             if self.kind == "functional" and not self.lowering.random and _shape_churn.on_host(name, key, args, kwargs):
                 return _shape_churn.run(self.op, args, kwargs)
             entry = self.cache[key] = self._build(key, args, kwargs)
@@ -263,7 +359,7 @@ class _OpKernel:
             if generator is None and self.generator_at is not None and self.generator_at < len(args):
                 generator = args[self.generator_at]
             dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
-        outs = execute(program, *dyn)
+        outs = fused.record(program, dyn) if executor.recording() else execute(program, *dyn)
         if self.kind == "inplace":
             if type(args[0]) is list:  # _foreach_*_: every tensor of the list, returning nothing
                 for t, v in zip(args[0], outs):

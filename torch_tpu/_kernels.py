@@ -224,9 +224,23 @@ def _view_kernel(op: torch._ops.OpOverload):
     result shares our storage (so it shares the jax array)."""
     key = view_dispatch_key(op)
     name = str(op)
+    counts = metrics.op_counts
+    if key == DK.Meta:
+        # the Meta kernel itself, called boxed: ``_op_dk`` finds the operation and matches the
+        # arguments against its schema at every call, a third of a view's cost (transpose, slice
+        # and expand each come here through as_strided)
+        meta = torch._C._dispatch_get_computed_kernel_for_dispatch_key(op.name(), "Meta").call_boxed
+        keyset = torch._C.DispatchKeySet(DK.Meta)
+
+        def run(*args, **kwargs):
+            counts[name] += 1  # counted here: views are hot, a counting wrapper is a frame more
+            return meta(keyset, *args, **kwargs)
+
+        run.counts_itself = True
+        return run
 
     def run(*args, **kwargs):
-        metrics.op_counts[name] += 1  # counted here: views are hot, a counting wrapper is a frame more
+        counts[name] += 1  # counted here: views are hot, a counting wrapper is a frame more
         return op._op_dk(key, *args, **kwargs)
 
     run.counts_itself = True

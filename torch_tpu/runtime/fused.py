@@ -147,20 +147,23 @@ def record(program: Any, inputs: tuple) -> Any:
     with _lock:
         if _step_ended:
             finish_step()
-        ins: list = []
-        for x in inputs:
-            if type(x) is Lazy:
-                ins.append(x.value if x.value is not None else _Ref(x.node, x.index))
-            else:
-                ins.append(x)
-        avals = _avals_for(program, ins)
+        ins = [x if type(x) is not Lazy else x.value if x.value is not None else _Ref(x.node, x.index)
+               for x in inputs]
+        avals = program.fixed
+        if avals is None or not program.shapes:
+            avals = _avals_for(program, ins)
         node = Node(program, ins, user_site(), avals)
         _pending.append(node)
-        outs = [None if a is None else Lazy(node, i, a) for i, a in enumerate(avals)]  # None: an undefined output
-        _created.extend(outs)
+        if len(avals) == 1 and avals[0] is not None:
+            out = Lazy(node, 0, avals[0])
+            _created.append(out)
+            outs: Any = (out,)
+        else:
+            outs = tuple([None if a is None else Lazy(node, i, a) for i, a in enumerate(avals)])  # None: undefined
+            _created.extend(outs)
         if len(_pending) >= MAX_OPS:
             flush(reason="length cap")
-        return tuple(outs) if program.multi else outs[0]
+        return outs if program.multi else outs[0]
 
 
 def concrete(x: Any) -> Any:
