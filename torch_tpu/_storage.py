@@ -82,6 +82,8 @@ def new_strided(shape: tuple[int, ...], stride: tuple[int, ...], storage_shape: 
     return t
 
 
+_Lazy = fused.Lazy
+_TO_JAX = _dtypes.TORCH_TO_JAX
 TPU_DEVICE = torch.device("tpu", 0)  # the one device (see the README): comparing with it is 4x faster than .type
 
 
@@ -385,14 +387,18 @@ def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
     size = t.shape
-    if t.dtype != st._dtype:
+    if t.dtype is not st._dtype:
         prog = _alias_write_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
                                     t.storage_offset())
         _replace(st, execute(prog, base_array(st), value))
         return
-    jdt = _dtypes.to_jax(st._dtype)
-    if size == st._shape and not t.storage_offset() and t.is_contiguous():  # the whole storage
-        if getattr(value, "dtype", None) == jdt and tuple(getattr(value, "shape", ())) == size:
+    jdt = _TO_JAX.get(st._dtype) or _dtypes.to_jax(st._dtype)
+    if not t.storage_offset() and size == st._shape and t.is_contiguous():  # the whole storage
+        if type(value) is _Lazy:  # an op's result, of the shape and dtype its meta kernel gave
+            same = value.dtype == jdt and value.shape == size
+        else:
+            same = getattr(value, "dtype", None) == jdt and tuple(getattr(value, "shape", ())) == size
+        if same:
             _replace(st, value)
         else:  # cast and broadcast only: the old contents are not read (nor made, for an empty tensor)
             _replace(st, execute(_fill_program(tuple(size), jdt), value))
@@ -407,9 +413,9 @@ def _replace(st: Any, value: Any) -> None:
     array's donated buffer: a parameter updated in place keeps its memory."""
     if _capture is not None:
         _capture.wrote(st)
-    if type(value) is fused.Lazy:
+    if type(value) is _Lazy:
         old = st._jx
-        if type(old) is fused.Lazy:
+        if type(old) is _Lazy:
             value.replaces = id(old.value) if old.value is not None else old.replaces
         elif old is not None:
             value.replaces = id(old)

@@ -24,6 +24,8 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
+from jax._src.lax.lax import _convert_element_type
 
 from torch_tpu.runtime import metrics, settle
 from torch_tpu.runtime.errors import raise_named
@@ -160,6 +162,8 @@ def _wire_text(w: tuple) -> str:
         return f"output {w[2]} of op #{w[1]}"
     if w[0] == "s":
         return f"a runtime {w[2].__name__} (argument {w[1]})"
+    if w[0] == "f":
+        return f"a runtime float (number {w[1]} of the trace)"
     return f"input array #{w[1]} ({str(w[3])}{list(w[2])})"
 
 
@@ -242,11 +246,19 @@ def _site_key(flush_site: Any, reason: str, key: Any) -> tuple:
     return flush_site, reason, key[0][0].name.split("(")[0] if key else ""
 
 
+def _weak_float(numbers: Any, i: int) -> Any:
+    """Element ``i`` of the trace's float vector as the program saw a Python float: a weakly typed
+    scalar, so that ``x * lr`` keeps ``x``'s dtype."""
+    return _convert_element_type(numbers[i], jax.dtypes.canonicalize_dtype(np.float64), weak_type=True)
+
+
 def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tuple[Any, float]:
     def replay(*a: Any) -> list:
         env: list = []
+        numbers = a[-1] if a else None  # the runtime floats, when the trace has any ("f" entries): the last argument
         for program, wiring in key:
-            xs = [env[w[1]][w[2]] if w[0] == "n" else a[w[1]] for w in wiring]
+            xs = [env[w[1]][w[2]] if w[0] == "n" else _weak_float(numbers, w[1]) if w[0] == "f" else a[w[1]]
+                  for w in wiring]
             r = program.fn(*xs)
             env.append(r if program.multi else (r,))
         return [env[i][j] for i, j in outputs]
