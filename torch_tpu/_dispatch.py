@@ -330,65 +330,84 @@ class _OpKernel:
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _op_counts[self.name] += 1
-        if self.lowering.check is not None:  # reads values on the host: never recorded
+        lowering = self.lowering
+        if lowering.check is not None:  # reads values on the host: never recorded
             if executor.recording():
                 with executor.eager_section():
-                    self.lowering.check(*args, **kwargs)
+                    lowering.check(*args, **kwargs)
             else:
-                self.lowering.check(*args, **kwargs)
+                lowering.check(*args, **kwargs)
         dyn: list = []
         name = self.name
+        kind = self.kind
         pos = []
         for a, d in zip(args, self.pos_dynamic):
             k = _key_of(a, d, dyn)
             pos.append(_spec(a, d, dyn, name) if k is _SLOW else k)
         pos = tuple(pos)
-        key = (pos, ()) if not kwargs and self.kind != "out" else self._signature(pos, args, kwargs, dyn)
+        key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
         entry = self.cache.get(key)
         if entry is None:
             # the key with _spec's types, which the program's rebuild and the churn pattern read
             dyn = []
             pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
             key = self._signature(pos, args, kwargs, dyn)
-            if self.kind == "functional" and not self.lowering.random and _shape_churn.on_host(name, key, args, kwargs):
+            if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
                 return _shape_churn.run(self.op, args, kwargs)
             entry = self.cache[key] = self._build(key, args, kwargs)
         program, avals, exact = entry
-        if self.lowering.random:
+        if lowering.random:
             generator = kwargs.get("generator")
             if generator is None and self.generator_at is not None and self.generator_at < len(args):
                 generator = args[self.generator_at]
             dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
         outs = fused.record(program, dyn) if executor.recording() else execute(program, *dyn)
-        if self.kind == "inplace":
-            if type(args[0]) is list:  # _foreach_*_: every tensor of the list, returning nothing
-                for t, v in zip(args[0], outs):
-                    write(t, v)
+        if kind == "functional":
+            if exact is True:
+                if self.single:
+                    shape, dtype = avals[0]
+                    return new_tensor(shape, dtype, outs[0])
+                tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
+            elif exact:  # some results laid out as their meta strides say (channels_last)
+                strided = _storage.new_strided
+                tensors = [
+                    new_tensor(shape, dtype, o) if lay is None else strided(shape, lay[0], lay[1], dtype, o)
+                    for o, (shape, dtype), lay in zip(outs, avals, exact)
+                ]
+            else:  # results undefined by an output_mask (None), or of the lowering's own shapes
+                it = iter(outs)
+                tensors = [None if a is None else _own(next(it), a[1]) for a in avals]
+            if self.single:
+                return tensors[0]
+            return tensors if self.returns_list else tuple(tensors)
+        if kind == "inplace":
+            first = args[0]
+            if type(first) is list:  # _foreach_*_: every tensor of the list, returning nothing
+                for t, v, k in zip(first, outs, pos[0]):
+                    _write_result(t, v, k, exact)
                 return None
-            write(args[0], outs[0])
-            return args[0]
-        if self.kind == "out":
-            targets = [kwargs[n] for n in self.out_names]
-            for t, value, (shape, _) in zip(targets, outs, avals):
-                if not is_tpu(t):
-                    raise device_mismatch(name, t.device)
-                if tuple(t.shape) != shape:
-                    set_base(t, shape, t.dtype, None)
-                write(t, value)
-            return targets[0] if len(targets) == 1 else tuple(targets)
-        if exact is True:
-            tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
-        elif exact:  # some results laid out as their meta strides say (channels_last)
-            tensors = [
-                new_tensor(shape, dtype, o) if lay is None else _storage.new_strided(shape, lay[0], lay[1], dtype, o)
-                for o, (shape, dtype), lay in zip(outs, avals, exact)
-            ]
-        else:  # results undefined by an output_mask (None), or of the lowering's own shapes
-            it = iter(outs)
-            tensors = [None if a is None else _own(next(it), a[1]) for a in avals]
-        if self.single:
-            return tensors[0]
-        return tensors if self.returns_list else tuple(tensors)
+            _write_result(first, outs[0], pos[0], exact)
+            return first
+        targets = [kwargs[n] for n in self.out_names]  # out=
+        for t, value, (shape, _) in zip(targets, outs, avals):
+            if not is_tpu(t):
+                raise device_mismatch(name, t.device)
+            if tuple(t.shape) != shape:
+                set_base(t, shape, t.dtype, None)
+            write(t, value)
+        return targets[0] if len(targets) == 1 else tuple(targets)
+
+
+def _write_result(t: torch.Tensor, value: Any, k: Any, exact: Any) -> None:
+    """An in-place op's result into its tensor ``t``, whose signature in the call was ``k``. A
+    plain (shape, dtype) tuple is :func:`_key_of`'s for a whole contiguous storage of the tensor's
+    own dtype, and ``exact`` says the result has that shape and dtype (the meta kernel's, which the
+    program casts to): then the result simply replaces the storage's array, which is what
+    :func:`write` would decide after checking all of that again."""
+    if exact is True and type(k) is tuple and len(k) == 2:
+        _storage._replace(t.untyped_storage(), value)
+    else:
+        write(t, value)
 
 
 def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
