@@ -225,11 +225,12 @@ def _view_kernel(op: torch._ops.OpOverload):
     key = view_dispatch_key(op)
     name = str(op)
     counts = metrics.op_counts
-    if key == DK.Meta:
+    get_kernel = getattr(torch.library, "get_kernel", None)  # torch >= 2.10
+    if key == DK.Meta and get_kernel is not None:
         # the Meta kernel itself, called boxed: ``_op_dk`` finds the operation and matches the
         # arguments against its schema at every call, a third of a view's cost (transpose, slice
         # and expand each come here through as_strided)
-        meta = torch._C._dispatch_get_computed_kernel_for_dispatch_key(op.name(), "Meta").call_boxed
+        meta = get_kernel(op, "Meta").call_boxed
         keyset = torch._C.DispatchKeySet(DK.Meta)
 
         def run(*args, **kwargs):
@@ -247,7 +248,8 @@ def _view_kernel(op: torch._ops.OpOverload):
     return run
 
 
-for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default):
+for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default,
+            aten._unsafe_view.default):
     kernel(_op, fusable=True, how="view (meta)")(_view_kernel(_op))
 
 
