@@ -103,7 +103,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
 _op_counts = metrics.op_counts  # never rebound (a reset clears it)
 _SLOW = object()  # _key_of's answer for an argument only _spec handles
 _Lazy = fused.Lazy
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _FLOAT_KEY = _Scalar((float,))
 _INT_KEY = _Scalar((int,))
 _BOOL_KEY = _Scalar((bool,))
@@ -117,13 +117,15 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
     ``_SLOW`` (nothing appended) for anything else: an empty storage, a capture in progress, a
     placeholder to run outside fused mode, a CPU tensor, a wrong device."""
     t = type(a)
-    if t in _TENSOR_TYPES:
-        if a.device != TPU_DEVICE:
-            return _SLOW
+    if t is _TENSOR or t is _PARAMETER:
+        # only tpu storages carry an array (tensors live on tpu:0): a CPU tensor's has none
         st = a.untyped_storage()
-        dtype = a.dtype
-        v = st._jx
-        if dtype is not st._dtype or v is None or _storage._capture is not None:
+        try:
+            v = st._jx
+            dtype = st._dtype
+        except AttributeError:
+            return _SLOW
+        if dtype is not a.dtype or v is None or _storage._capture is not None:
             return _SLOW
         if type(v) is _Lazy:
             if v.value is not None:
@@ -157,9 +159,10 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
         out = []
         start = len(dyn)
         for x in a:
-            if type(x) in _TENSOR_TYPES and x.device == TPU_DEVICE:  # a foreach op's list: the case above, inline
+            tx = type(x)
+            if tx is _TENSOR or tx is _PARAMETER:  # a foreach op's list: the case above, inline
                 st = x.untyped_storage()
-                v = st._jx
+                v = getattr(st, "_jx", None)
                 dtype = x.dtype
                 if type(v) is _Lazy and v.value is not None:
                     v = st._jx = v.value

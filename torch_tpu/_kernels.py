@@ -230,8 +230,20 @@ def _view_kernel(op: torch._ops.OpOverload):
         # the Meta kernel itself, called boxed: ``_op_dk`` finds the operation and matches the
         # arguments against its schema at every call, a third of a view's cost (transpose, slice
         # and expand each come here through as_strided)
-        meta = get_kernel(op, "Meta").call_boxed
         keyset = torch._C.DispatchKeySet(DK.Meta)
+        if op is aten._reshape_alias.default:
+            # its Meta kernel is torch's Python decomposition (a view call, which comes back here
+            # as aten.view): CPU's kernel aliases the storage with the given sizes and strides,
+            # which is as_strided at the tensor's own offset
+            strided = get_kernel(aten.as_strided.default, "Meta").call_boxed
+
+            def run(self, size, stride):
+                counts[name] += 1
+                return strided(keyset, self, size, stride, self.storage_offset())
+
+            run.counts_itself = True
+            return run
+        meta = get_kernel(op, "Meta").call_boxed
 
         def run(*args, **kwargs):
             counts[name] += 1  # counted here: views are hot, a counting wrapper is a frame more
