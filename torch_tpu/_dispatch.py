@@ -158,21 +158,31 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
             return tuple(a)
         out = []
         start = len(dyn)
+        # a foreach op's list: the tensor case above, inline, for tensors whose storage holds an
+        # array of their dtype (a pending placeholder only while recording)
+        fast = _storage._capture is None
+        recording = executor.recording()
         for x in a:
             tx = type(x)
-            if tx is _TENSOR or tx is _PARAMETER:  # a foreach op's list: the case above, inline
+            if fast and (tx is _TENSOR or tx is _PARAMETER):
                 st = x.untyped_storage()
-                v = getattr(st, "_jx", None)
-                dtype = x.dtype
-                if type(v) is _Lazy and v.value is not None:
-                    v = st._jx = v.value
-                if (v is not None and dtype is st._dtype and not x.storage_offset() and _storage._capture is None
-                        and (type(v) is not _Lazy or executor.recording())):
-                    size = x.shape
-                    if size == st._shape and x.is_contiguous():
-                        dyn.append(v)
-                        out.append((size, dtype))
-                        continue
+                try:
+                    v = st._jx
+                    same = x.dtype is st._dtype
+                except AttributeError:  # not a tpu tensor
+                    v = None
+                if v is not None and same:
+                    if type(v) is _Lazy:
+                        if v.value is not None:
+                            v = st._jx = v.value
+                        elif not recording:
+                            v = None
+                    if v is not None and not x.storage_offset():
+                        size = x.shape
+                        if size == st._shape and x.is_contiguous():
+                            dyn.append(v)
+                            out.append((size, st._dtype))
+                            continue
             k = _key_of(x, dynamic, dyn)
             if k is _SLOW:
                 del dyn[start:]  # _spec redoes the whole list

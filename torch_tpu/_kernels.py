@@ -226,6 +226,19 @@ def _view_kernel(op: torch._ops.OpOverload):
     name = str(op)
     counts = metrics.op_counts
     get_kernel = getattr(torch.library, "get_kernel", None)  # torch >= 2.10
+    if op is aten._unsafe_view.default and get_kernel is not None:
+        # CPU's _unsafe_view is view's computation (view_impl) over the same storage, without
+        # autograd's view tracking (that is the autograd layer's, above us); the Meta kernel torch
+        # registers for it is a Python decomposition that comes back here through aten.view
+        viewed = get_kernel(aten.view.default, "Meta").call_boxed
+        keyset = torch._C.DispatchKeySet(DK.Meta)
+
+        def run(self, size):
+            counts[name] += 1
+            return viewed(keyset, self, size)
+
+        run.counts_itself = True
+        return run
     if key == DK.Meta and get_kernel is not None:
         # the Meta kernel itself, called boxed: ``_op_dk`` finds the operation and matches the
         # arguments against its schema at every call, a third of a view's cost (transpose, slice

@@ -336,7 +336,7 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
         _graphs.clear()
         live = _alive()
         position = {id(n): i for i, n in enumerate(nodes)}
-        programs = tuple(n.program for n in nodes)
+        programs = tuple([n.program for n in nodes])  # a generator costs a resumption per node
         template = _templates.get(programs)
         if template is not None and template.replay(nodes, live, position, site, reason):
             return
