@@ -101,6 +101,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
 
 
 _op_counts = metrics.op_counts  # never rebound (a reset clears it)
+_FUSED = executor.EagerMode.FUSED  # the mode read directly: recording() is a call more per tensor
 _SLOW = object()  # _key_of's answer for an argument only _spec handles
 _Lazy = fused.Lazy
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
@@ -130,7 +131,7 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
         if type(v) is _Lazy:
             if v.value is not None:
                 v = st._jx = v.value  # computed: drop the placeholder (as base_array does)
-            elif not executor.recording():
+            elif executor._mode is not _FUSED and not executor.recording():
                 return _SLOW  # base_array runs the trace
         size = a.shape
         offset = a.storage_offset()
@@ -161,7 +162,7 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
         # a foreach op's list: the tensor case above, inline, for tensors whose storage holds an
         # array of their dtype (a pending placeholder only while recording)
         fast = _storage._capture is None
-        recording = executor.recording()
+        recording = executor._mode is _FUSED or executor.recording()
         for x in a:
             tx = type(x)
             if fast and (tx is _TENSOR or tx is _PARAMETER):
@@ -374,7 +375,8 @@ class _OpKernel:
             if generator is None and self.generator_at is not None and self.generator_at < len(args):
                 generator = args[self.generator_at]
             dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
-        outs = fused.record(program, dyn) if executor.recording() else execute(program, *dyn)
+        recording = executor._mode is _FUSED or executor.recording()
+        outs = fused.record(program, dyn) if recording else execute(program, *dyn)
         if kind == "functional":
             if exact is True:
                 if self.single:
