@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _dtypes
-from torch_tpu._storage import host_copy, read, to_numpy
+from torch_tpu._storage import host_copy, passed_checks, read, to_numpy
 from torch_tpu.runtime import checks as pending
 from torch_tpu.runtime import executor, fused
 from torch_tpu.runtime.executor import EagerMode, Program, execute
@@ -70,9 +70,15 @@ def check_values(
     ``error(value, flat index of the value)``, for messages that name where it is (embedding_bag)."""
     if t.numel() == 0:
         return
+    passed = sig = None
     if t.device.type == "cpu":  # a CPU index where CPU torch allows one
         values = _dtypes.cpu_to_numpy(t)
     else:
+        passed = passed_checks(t)
+        if passed is not None:
+            sig = (bad, params, t.storage_offset(), t.shape, t.stride())
+            if sig in passed:
+                return
         values = host_copy(t)
     if values is None and executor.get_eager_mode() is EagerMode.DEBUG:
         values = to_numpy(t)
@@ -82,6 +88,8 @@ def check_values(
             at = int(np.argmax(m))
             value = np.asarray(values).reshape(-1)[at].item()
             raise error(value, at) if position else error(value)
+        if passed is not None:
+            passed.add(sig)
         return
     with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
         flag, first, at = execute(_program(bad, params), read(t))

@@ -450,7 +450,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return a
 
 
-_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+# id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks)
+_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set]] = {}
 _HOST_COPY_MAX_BYTES = 1 << 22
 
 
@@ -463,7 +464,7 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
     """
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
         key = id(array)
-        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data)
+        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set())
 
 
 def host_copy(t: torch.Tensor) -> np.ndarray | None:
@@ -477,6 +478,19 @@ def host_copy(t: torch.Tensor) -> np.ndarray | None:
     flat = kept[1].reshape(-1)
     strides = tuple(s * flat.itemsize for s in t.stride())
     return np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape), strides, writeable=False)
+
+
+def passed_checks(t: torch.Tensor) -> set | None:
+    """The value checks (any hashable description) that the host data behind tpu tensor ``t`` is
+    known to pass, kept with its host copy, or None when it has none. The data is a private copy
+    and the array is immutable, so a check that passed once passes again: a training loop that
+    feeds the same batch tensor every step checks it once."""
+    st = t.untyped_storage()
+    a = st._jx
+    kept = _HOST_COPIES.get(id(a)) if a is not None else None
+    if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+        return None
+    return kept[2]
 
 
 def host_values(t: torch.Tensor) -> np.ndarray:

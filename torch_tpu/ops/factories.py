@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _dtypes
-from torch_tpu._storage import new_tensor
+from torch_tpu._storage import new_tensor, remember_host_copy
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.shape import program
 from torch_tpu.runtime.executor import execute
@@ -68,7 +68,15 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
         n, out_dtype = meta.shape[0], meta.dtype
     acc = np.int64 if integral else np.float64
     fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(out_dtype))
-    return new_tensor((n,), out_dtype, execute(fn, acc(start), acc(step)))
+    value = execute(fn, acc(start), acc(step))
+    if integral and out_dtype == torch.int64 and n <= _HOST_ARANGE:
+        # the values are known here: kept as the array's host copy, an index check (positions fed
+        # to an embedding every step) reads them instead of queueing a device check to read back
+        remember_host_copy(value, start + np.arange(n, dtype=np.int64) * step)
+    return new_tensor((n,), out_dtype, value)
+
+
+_HOST_ARANGE = 1 << 16  # longest integer arange whose values are kept on the host
 
 
 def _linspace_values(start, end, steps: int):
