@@ -26,10 +26,18 @@ _I64 = np.dtype(jnp.int64)
 _F32 = np.dtype(jnp.float32)
 
 
+def _dims_limit(ndim: int) -> None:
+    """CPU's reduction kernels index dimensions with a 64-bit mask: reducing a tensor of more
+    than 64 dimensions along given dims is an error there (all of them, ``dim=None``, is not)."""
+    if ndim > 64:
+        raise RuntimeError(f"only tensors with up to 64 dims are supported, but got a tensor of {ndim} dims")
+
+
 def _axes(dim, ndim: int) -> tuple[int, ...] | None:
     """Normalised reduction axes; None means all."""
     if dim is None:
         return None
+    _dims_limit(ndim)
     if isinstance(dim, int):
         dim = [dim]
     if len(dim) == 0:
@@ -78,7 +86,13 @@ def sum_(self, dim=None, keepdim=False, dtype=None):
     return jnp.sum(_acc(self, dtype), axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-@lower(aten.nansum.default)
+def _nansum_meta(self, dim=None, keepdim=False, *, dtype=None):
+    """torch's meta kernel reads ``dim=[]`` as "reduce nothing"; CPU's nansum, like sum, reduces
+    every dimension then."""
+    return aten.nansum.default(self, None if dim is not None and len(dim) == 0 else dim, keepdim, dtype=dtype)
+
+
+@lower(aten.nansum.default, meta=_nansum_meta)
 def nansum(self, dim=None, keepdim=False, dtype=None):
     x = _acc(self, dtype)
     if not _is_int(x):
@@ -196,12 +210,31 @@ def norm(self, p=2, dim=None, keepdim=False, dtype=None):
 
 
 # ------------------------------------------------------------------------------ max, min, all, any
-@lower(aten.amax.default)
+def _no_identity_meta(name: str, op: torch._ops.OpOverload):
+    """The meta of a reduction without an identity (max, min): CPU refuses an empty reduced
+    dimension with an IndexError naming it, and a full reduction of an empty tensor with a
+    RuntimeError, where torch's meta kernel says something else (or nothing)."""
+
+    def meta(self, dim=None, keepdim=False):
+        if self.numel() == 0:
+            if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+                raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+                                   "Specify the reduction dim with the 'dim' argument.")
+            for d in [dim] if isinstance(dim, int) else dim:
+                d = d % builtins.max(self.ndim, 1)
+                if self.ndim and self.shape[d] == 0:
+                    raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, dim, keepdim) if dim is not None else op(self)
+
+    return meta
+
+
+@lower(aten.amax.default, meta=_no_identity_meta("amax", aten.amax.default))
 def amax(self, dim=(), keepdim=False):
     return jnp.max(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-@lower(aten.amin.default)
+@lower(aten.amin.default, meta=_no_identity_meta("amin", aten.amin.default))
 def amin(self, dim=(), keepdim=False):
     return jnp.min(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
@@ -224,12 +257,12 @@ def _value_index(x, dim, keepdim, val_fn, arg_fn):
     return _restore(v, x), _restore(i, x)
 
 
-@lower(aten.max.dim)
+@lower(aten.max.dim, meta=_no_identity_meta("max", aten.max.dim))
 def max_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.max, jnp.argmax)
 
 
-@lower(aten.min.dim)
+@lower(aten.min.dim, meta=_no_identity_meta("min", aten.min.dim))
 def min_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.min, jnp.argmin)
 
@@ -238,6 +271,7 @@ def _arg(x, dim, keepdim, fn):
     if dim is None:
         out = fn(x.reshape(-1)).astype(_I64)
         return out.reshape((1,) * x.ndim) if keepdim else out
+    _dims_limit(x.ndim)
     y, d = _as_1d(x, dim)
     return _restore(fn(y, axis=d, keepdims=keepdim).astype(_I64), x)
 
