@@ -23,9 +23,9 @@ def _outcome(fn, *args, **kwargs):
 def _like_cpu(fn, *args, **kwargs):
     """``fn`` on CPU and on tpu copies of the same arguments: same values, or CPU's exception
     type with CPU's message inside ours."""
-    cpu = _outcome(fn, *args, **kwargs)
     moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]
     kw = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    cpu = _outcome(fn, *args, **kwargs)
     tpu = _outcome(fn, *moved, **kw)
     if cpu[0] == "ok":
         assert tpu[0] == "ok", tpu

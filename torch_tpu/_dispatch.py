@@ -152,6 +152,7 @@ class _OpKernel:
                 if isinstance(verdict, BaseException):  # an out dtype CPU refuses, with CPU's words
                     raise_named(verdict, f"{self.name}({sig})")
         if self.kind == "inplace":
+            _check_inplace_cast(self.op, args, kwargs, sig)
             metas = list(to_meta(args[0])) if isinstance(args[0], (list, tuple)) else [to_meta(args[0])]
         avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
         outs = [None if a is None else (a[0], _dtypes.to_jax(a[1])) for a in avals]
@@ -295,6 +296,28 @@ class _OpKernel:
         return tensors if self.returns_list else tuple(tensors)
 
 
+def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:
+    """CPU refuses an in-place op whose result dtype ``self`` cannot hold (``int_tensor *= 1.5``
+    as a 0-dim float tensor, ``int_tensor.fmod_(float_tensor)``), which torch's meta kernels let
+    through: the functional twin's result dtype must cast safely to ``self``'s. Once per
+    signature, when the program is built."""
+    self = args[0] if args else None
+    if not isinstance(self, torch.Tensor):
+        return
+    name = op._schema.name.split("::")[1]
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    overload = getattr(packet, op._overloadname, None) if packet is not None else None
+    if overload is None:
+        return
+    try:
+        res = meta_outputs(overload, args, kwargs, None)
+    except Exception:  # the in-place meta kernel has the last word on anything else
+        return
+    if res and isinstance(res[0], torch.Tensor) and not torch.can_cast(res[0].dtype, self.dtype):
+        a, b = (_CPP_NAMES.get(str(d).split(".")[1], str(d)) for d in (res[0].dtype, self.dtype))
+        raise_named(RuntimeError(f"result type {a} can't be cast to the desired output type {b}"), f"{op}({sig})")
+
+
 def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The functional overload an ``out=`` overload writes the results of (same arguments, less
     the out tensors), or None."""
@@ -307,14 +330,24 @@ def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
     return None
 
 
+# torch's dtype names as CPU's C++ kernels spell them in messages
+_CPP_NAMES = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
+              "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
+              "complex64": "ComplexFloat", "complex128": "ComplexDouble", "complex32": "ComplexHalf"}
+_CAST = re.compile(r"result type torch\.(\w+) can't be cast to the desired output type torch\.(\w+)")
+
+
 def _tidy(e: Exception) -> Exception:
     """Some of torch's Python meta kernels build messages from indented multi-line strings
     ("non-zero                       size"); CPU's C++ kernels say it with single spaces, which is
-    what a user's (or a test's) pattern matches."""
+    what a user's (or a test's) pattern matches. The in-place cast refusal names dtypes as CPU
+    does ("result type Float can't be cast to the desired output type Long")."""
     text = str(e)
-    if "   " not in text or len(e.args) != 1:
+    if len(e.args) != 1 or ("   " not in text and "result type torch." not in text):
         return e
     tidy = re.sub(r"(?<=\S) {3,}(?=\S)", " ", text)
+    tidy = _CAST.sub(lambda m: f"result type {_CPP_NAMES.get(m[1], m[1])} can't be cast to the desired output "
+                               f"type {_CPP_NAMES.get(m[2], m[2])}", tidy)
     try:
         new = type(e)(tidy)
     except Exception:

@@ -86,10 +86,10 @@ def sum_(self, dim=None, keepdim=False, dtype=None):
     return jnp.sum(_acc(self, dtype), axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-def _nansum_meta(self, dim=None, keepdim=False, *, dtype=None):
+def _nansum_meta(self, dim=None, keepdim=False, *, dtype=None, **out):
     """torch's meta kernel reads ``dim=[]`` as "reduce nothing"; CPU's nansum, like sum, reduces
     every dimension then."""
-    return aten.nansum.default(self, None if dim is not None and len(dim) == 0 else dim, keepdim, dtype=dtype)
+    return aten.nansum(self, None if dim is not None and len(dim) == 0 else dim, keepdim, dtype=dtype, **out)
 
 
 @lower(aten.nansum.default, meta=_nansum_meta)
@@ -215,7 +215,7 @@ def _no_identity_meta(name: str, op: torch._ops.OpOverload):
     dimension with an IndexError naming it, and a full reduction of an empty tensor with a
     RuntimeError, where torch's meta kernel says something else (or nothing)."""
 
-    def meta(self, dim=None, keepdim=False):
+    def meta(self, dim=None, keepdim=False, **out):
         if self.numel() == 0:
             if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
                 raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
@@ -224,17 +224,17 @@ def _no_identity_meta(name: str, op: torch._ops.OpOverload):
                 d = d % builtins.max(self.ndim, 1)
                 if self.ndim and self.shape[d] == 0:
                     raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
-        return op(self, dim, keepdim) if dim is not None else op(self)
+        return op(self, dim, keepdim, **out) if dim is not None else op(self, **out)
 
     return meta
 
 
-@lower(aten.amax.default, meta=_no_identity_meta("amax", aten.amax.default))
+@lower(aten.amax.default, meta=_no_identity_meta("amax", aten.amax))
 def amax(self, dim=(), keepdim=False):
     return jnp.max(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-@lower(aten.amin.default, meta=_no_identity_meta("amin", aten.amin.default))
+@lower(aten.amin.default, meta=_no_identity_meta("amin", aten.amin))
 def amin(self, dim=(), keepdim=False):
     return jnp.min(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
@@ -257,12 +257,12 @@ def _value_index(x, dim, keepdim, val_fn, arg_fn):
     return _restore(v, x), _restore(i, x)
 
 
-@lower(aten.max.dim, meta=_no_identity_meta("max", aten.max.dim))
+@lower(aten.max.dim, meta=_no_identity_meta("max", aten.max))
 def max_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.max, jnp.argmax)
 
 
-@lower(aten.min.dim, meta=_no_identity_meta("min", aten.min.dim))
+@lower(aten.min.dim, meta=_no_identity_meta("min", aten.min))
 def min_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.min, jnp.argmin)
 

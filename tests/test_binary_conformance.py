@@ -1,0 +1,81 @@
+"""Binary ops as CPU has them where OpInfo's samples don't look: CPU's refusals (complex operands
+of ordering ops, heaviside's mixed dtypes, add/sub's ``alpha`` and bool operands, in-place
+results ``self`` cannot hold) with CPU's words, and Python ints outside an integer dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _outcome(fn, *args):
+    try:
+        r = fn(*args)
+    except Exception as e:  # the comparison is the test
+        return type(e), str(e)
+    return "ok", r.cpu()
+
+
+def _like_cpu(fn, *args):
+    """``fn`` on CPU tensors and on tpu copies: CPU's values, or CPU's exception type with CPU's
+    message inside ours."""
+    moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]  # before in-place ops run
+    cpu = _outcome(fn, *args)
+    tpu = _outcome(fn, *moved)
+    if cpu[0] == "ok":
+        assert tpu[0] == "ok", tpu
+        torch.testing.assert_close(tpu[1], cpu[1], equal_nan=True)
+    else:
+        assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
+        assert cpu[1] in tpu[1]
+
+
+C = torch.tensor([1 + 2j, -1j])
+F = torch.tensor([0.5, -2.0])
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.minimum, torch.fmax, torch.fmin, torch.max, torch.min])
+def test_ordering_ops_refuse_complex(op):
+    _like_cpu(op, C, F)
+    _like_cpu(op, F, C)
+    _like_cpu(op, F, F)
+
+
+def test_heaviside_refuses_complex_and_mixed_dtypes():
+    ints = torch.tensor([-1, 0, 3])
+    _like_cpu(torch.heaviside, C, C.real)
+    _like_cpu(torch.heaviside, ints, ints.float())
+    _like_cpu(torch.heaviside, ints, ints)
+    _like_cpu(lambda a, b, o: torch.heaviside(a, b, out=o), ints, ints.float(), torch.empty(3, dtype=torch.long))
+
+
+def test_alpha_and_bool_operands_of_add_and_sub():
+    i8 = torch.tensor([1, 2], dtype=torch.int8)
+    b = torch.tensor([True, False])
+    for op in (torch.add, torch.sub):
+        _like_cpu(lambda x, f=op: f(x, x, alpha=True), i8)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=1.5), i8)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=2j), F)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=2), i8)
+    _like_cpu(torch.add, b, b)
+    _like_cpu(torch.sub, b, b)
+    _like_cpu(lambda x: 1 - x, b)
+    _like_cpu(lambda x: x - 1, b)
+    _like_cpu(lambda x, o: torch.add(x, x, alpha=0.5, out=o), F, torch.empty(2))
+
+
+def test_in_place_result_self_cannot_hold():
+    """The functional result dtype must cast to ``self``'s: a 0-dim float tensor makes an int
+    tensor's product float, as does a float divisor its remainder."""
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor(3, dtype=torch.int32), torch.tensor(1.5))
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([3], dtype=torch.int32), torch.tensor(1.5))
+    _like_cpu(lambda y, x: y.fmod_(x), torch.tensor([5, 7]), torch.tensor([2.5, 3.0]))
+    _like_cpu(lambda y: y.div_(2), torch.tensor([5, 7]))
+    _like_cpu(lambda y, x: y.eq_(x), torch.tensor([5, 7]), torch.tensor([5.0, 3.0]))
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([1.5]), torch.tensor(2.0, dtype=torch.float64))
+
+
+def test_python_int_outside_the_dtype_wraps():
+    _like_cpu(lambda x: x + 300, torch.tensor([1, -2], dtype=torch.int8))
+    _like_cpu(lambda x: x * 300, torch.tensor([1, 2], dtype=torch.uint8))
+    _like_cpu(lambda x: x.add_(-129), torch.tensor([1, 2], dtype=torch.int8))
