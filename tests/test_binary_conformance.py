@@ -79,3 +79,16 @@ def test_python_int_outside_the_dtype_wraps():
     _like_cpu(lambda x: x + 300, torch.tensor([1, -2], dtype=torch.int8))
     _like_cpu(lambda x: x * 300, torch.tensor([1, 2], dtype=torch.uint8))
     _like_cpu(lambda x: x.add_(-129), torch.tensor([1, 2], dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_division_near_the_range_limits(dtype):
+    """Smith's division as CPU does it: no |b|^2 that overflows or underflows (a / a is 1 for
+    a huge or tiny a, where the textbook formula gives NaN or 0)."""
+    fi = torch.finfo(dtype)
+    big, tiny = fi.max / 2, fi.tiny
+    num = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(tiny, 0), 0j, 1],
+                       dtype=dtype)
+    den = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(0, tiny),
+                        complex(tiny, tiny), complex(float("inf"), float("inf"))], dtype=dtype)
+    _like_cpu(torch.div, num, den)

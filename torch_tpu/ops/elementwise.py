@@ -202,6 +202,8 @@ def _floor_div(a, b):
 def div(self, other, rounding_mode=None):
     if rounding_mode is None:
         a, b = _common(self, other, floating=True)
+        if jnp.iscomplexobj(b):  # Smith's division: no overflow or underflow in |b|^2
+            return _complex_div(a, b)
         return a / b
     a, b = _common(self, other)
     if rounding_mode == "floor":
@@ -551,9 +553,11 @@ def _complex_div(a, b):
     c_big = jnp.abs(c) >= jnp.abs(d)
     zero = (c == 0) & (d == 0)
     rat = jnp.where(c_big, d / jnp.where(zero, 1, c), c / d)
-    scl = 1 / jnp.where(c_big, c + d * rat, d + c * rat)
-    real = jnp.where(c_big, (ar + ai * rat) * scl, (ar * rat + ai) * scl)
-    imag = jnp.where(c_big, (ai - ar * rat) * scl, (ai * rat - ar) * scl)
+    # divided by, not multiplied by its reciprocal: 1 / |b| of a huge b is subnormal, which XLA
+    # flushes to zero (CPU's (max/2 + i max/2) / itself is 1, not 0)
+    den = jnp.where(c_big, c + d * rat, d + c * rat)
+    real = jnp.where(c_big, ar + ai * rat, ar * rat + ai) / den
+    imag = jnp.where(c_big, ai - ar * rat, ai * rat - ar) / den
     real = jnp.where(zero, ar / jnp.abs(c), real)  # division by zero: a complex inf or nan
     imag = jnp.where(zero, ai / jnp.abs(d), imag)
     return lax.complex(real, imag)
