@@ -92,3 +92,16 @@ def test_complex_division_near_the_range_limits(dtype):
     den = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(0, tiny),
                         complex(tiny, tiny), complex(float("inf"), float("inf"))], dtype=dtype)
     _like_cpu(torch.div, num, den)
+
+
+def test_in_place_twins_match_by_signature():
+    """An in-place overload is served by the lowering whose arguments it has: ``pow_.Scalar``
+    (a Tensor to a Scalar power, with its negative-integer check) is not ``pow.Scalar`` (a
+    Scalar to a Tensor power), nor ``polygamma_(self, n)`` ``polygamma(n, self)``."""
+    ints = torch.tensor([2, 3], dtype=torch.int32)
+    _like_cpu(lambda t: t.pow_(-2), ints)
+    _like_cpu(lambda t, o: torch.pow(t, -2, out=o), ints, torch.empty(2, dtype=torch.int32))
+    _like_cpu(lambda t: t.pow_(2), ints)
+    _like_cpu(lambda t: t.pow_(t), ints)
+    _like_cpu(lambda t: t.polygamma_(1), torch.tensor([0.5, 1.5]))
+    _like_cpu(lambda t, d: t.floor_divide_(d), torch.tensor([7.0, -9.0]), torch.tensor([2.0, 4.0]))

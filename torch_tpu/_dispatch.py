@@ -449,16 +449,20 @@ def _twins(op: torch._ops.OpOverload) -> list[tuple[torch._ops.OpOverload, str]]
     schema = op._schema
     base = schema.name.split("::")[1]
     found = []
-    inplace = getattr(getattr(aten, base + "_", None), op._overloadname, None)
-    if inplace is not None:
-        found.append((inplace, "inplace"))
-    names = [a.name for a in schema.arguments]
+    # same argument names *and types*: pow_.Scalar (Tensor self, Scalar exponent) is no twin of
+    # pow.Scalar (Scalar self, Tensor exponent), though the overload names agree
+    sig = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = getattr(aten, base + "_", None)
+    for cand in (getattr(packet, n) for n in packet.overloads()) if packet is not None else ():
+        if [(a.name, str(a.type)) for a in cand._schema.arguments] == sig:
+            found.append((cand, "inplace"))
+            break
     for cand in dispatcher_overloads(getattr(aten, base)):
         if cand is op or not is_mutating(cand):
             continue
         outs = [a for a in cand._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
-        rest = [a.name for a in cand._schema.arguments if a not in outs]
-        if outs and rest == names:
+        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if a not in outs]
+        if outs and rest == sig:
             found.append((cand, "out"))
     return found
 

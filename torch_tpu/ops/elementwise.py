@@ -242,7 +242,7 @@ def pow_(self, exponent):
     return jnp.power(a, b)
 
 
-def _check_pow(self, exponent):
+def _check_pow(self, exponent, **out):
     if not self.dtype.is_floating_point and not self.dtype.is_complex and type(exponent) is int and exponent < 0:
         raise RuntimeError("Integers to negative integer powers are not allowed.")
 
