@@ -105,3 +105,19 @@ def test_in_place_twins_match_by_signature():
     _like_cpu(lambda t: t.pow_(t), ints)
     _like_cpu(lambda t: t.polygamma_(1), torch.tensor([0.5, 1.5]))
     _like_cpu(lambda t, d: t.floor_divide_(d), torch.tensor([7.0, -9.0]), torch.tensor([2.0, 4.0]))
+
+
+def test_out_of_another_shape_warns_once_per_call():
+    """CPU resizes an ``out=`` tensor of the wrong shape with a deprecation warning, each call,
+    once, and silently when the out tensor is empty."""
+    import warnings
+
+    a, b = torch.tensor([1.0, 2.0, 3.0], device="tpu"), torch.tensor([4.0, 5.0, 6.0], device="tpu")
+    for op, args in ((torch.exp, (a,)), (torch.add, (a, b)), (torch.mul, (a[:1], a[:1, None]))):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            op(*args, out=torch.empty(0, device="tpu"))
+            assert len(w) == 0
+            for _ in range(2):
+                op(*args, out=torch.empty(7, device="tpu"))
+            assert len(w) == 2 and all("was resized" in str(x.message) for x in w)

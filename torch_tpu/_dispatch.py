@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -143,7 +144,9 @@ class _OpKernel:
         pos_spec, kw_spec = key[0], key[1]
         sig = ", ".join(_describe(s) for s in pos_spec)
         try:
-            metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
+            with warnings.catch_warnings():  # the resize warning is the kernel's, at every call
+                warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+                metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
             metas = self._out_dtype_refused(e, args, kwargs, sig)
         else:
@@ -278,6 +281,8 @@ class _OpKernel:
                 if not is_tpu(t):
                     raise device_mismatch(name, t.device)
                 if tuple(t.shape) != shape:
+                    if t.numel():
+                        warnings.warn(_RESIZED.format(list(t.shape), list(shape)), UserWarning, stacklevel=2)
                     set_base(t, shape, t.dtype, None)
                 write(t, value)
             return targets[0] if len(targets) == 1 else tuple(targets)
@@ -294,6 +299,13 @@ class _OpKernel:
         if self.single:
             return tensors[0]
         return tensors if self.returns_list else tuple(tensors)
+
+
+# CPU's words when an out= tensor with elements has the wrong shape (resize_output)
+_RESIZED = ("An output with one or more elements was resized since it had shape {}, which does not match the "
+            "required output shape {}. This behavior is deprecated, and in a future PyTorch release outputs will "
+            "not be resized unless they have zero elements. You can explicitly reuse an out tensor t by resizing "
+            "it, inplace, to zero elements with t.resize_(0).")
 
 
 def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:
