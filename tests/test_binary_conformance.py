@@ -121,3 +121,14 @@ def test_out_of_another_shape_warns_once_per_call():
             for _ in range(2):
                 op(*args, out=torch.empty(7, device="tpu"))
             assert len(w) == 2 and all("was resized" in str(x.message) for x in w)
+
+
+def test_complex_power_whose_real_part_underflows():
+    """exp(b log a) with a real part far below the float range is 0 on CPU, whatever the
+    (huge, finite) angle; XLA's complex power gave NaN there."""
+    a = torch.tensor([complex(-1e10, 3e9), complex(5e8, -7e9), complex(2e9, 0), complex(-1e6, 1e6)],
+                     dtype=torch.complex128)
+    b = torch.tensor([complex(1e9, -2e9), complex(-3e8, 4e8), complex(2, 0), complex(0.5, 0.2)],
+                     dtype=torch.complex128)
+    _like_cpu(torch.pow, a, b)
+    _like_cpu(torch.float_power, a, b)

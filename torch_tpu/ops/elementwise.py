@@ -239,7 +239,16 @@ def pow_(self, exponent):
     a, b = _common(self, exponent)
     if a.dtype == np.bool_:
         return jnp.logical_or(a, jnp.logical_not(b))
+    if jnp.iscomplexobj(a):
+        return _complex_pow(a, b)
     return jnp.power(a, b)
+
+
+def _complex_pow(a, b):
+    """a ** b of complex operands as CPU's cpow computes it away from a = 0: exp(b log a), with
+    exp's special values (a product whose real part underflows is 0, where XLA's power gives NaN
+    for a huge imaginary part). A zero base keeps XLA's answer."""
+    return jnp.where(a == 0, jnp.power(a, b), _exp(b * jnp.log(jnp.where(a == 0, jnp.ones_like(a), a))))
 
 
 def _check_pow(self, exponent, **out):
