@@ -132,3 +132,9 @@ def test_complex_power_whose_real_part_underflows():
                      dtype=torch.complex128)
     _like_cpu(torch.pow, a, b)
     _like_cpu(torch.float_power, a, b)
+
+
+def test_in_place_op_cannot_broadcast_self():
+    for base, exp in (((), (3,)), ((2,), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1, 1)), ((2, 3), (3,))):
+        _like_cpu(lambda b, e: b.pow_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
+        _like_cpu(lambda b, e: b.add_(e), torch.full(base, 2.0), torch.full(exp, 3.0))

@@ -309,25 +309,34 @@ _RESIZED = ("An output with one or more elements was resized since it had shape 
 
 
 def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:
-    """CPU refuses an in-place op whose result dtype ``self`` cannot hold (``int_tensor *= 1.5``
-    as a 0-dim float tensor, ``int_tensor.fmod_(float_tensor)``), which torch's meta kernels let
-    through: the functional twin's result dtype must cast safely to ``self``'s. Once per
-    signature, when the program is built."""
+    """CPU refuses an in-place op whose result ``self`` cannot hold, which torch's meta kernels
+    let through: a result dtype that does not cast safely to ``self``'s (``int_tensor *= 1.5`` as
+    a 0-dim float tensor, ``int_tensor.fmod_(float_tensor)``) or a shape the other operands
+    broadcast ``self`` to (``ones(2).pow_(ones(2, 1))``). Once per signature, when the program is
+    built."""
     self = args[0] if args else None
     if not isinstance(self, torch.Tensor):
         return
     name = op._schema.name.split("::")[1]
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
-    overload = getattr(packet, op._overloadname, None) if packet is not None else None
+    sig = [(a.name, str(a.type)) for a in op._schema.arguments]
+    overload = next((o for o in (getattr(packet, n) for n in packet.overloads())
+                     if [(a.name, str(a.type)) for a in o._schema.arguments] == sig), None) if packet else None
     if overload is None:
         return
     try:
         res = meta_outputs(overload, args, kwargs, None)
     except Exception:  # the in-place meta kernel has the last word on anything else
         return
-    if res and isinstance(res[0], torch.Tensor) and not torch.can_cast(res[0].dtype, self.dtype):
+    if not res or not isinstance(res[0], torch.Tensor):
+        return
+    if not torch.can_cast(res[0].dtype, self.dtype):
         a, b = (_CPP_NAMES.get(str(d).split(".")[1], str(d)) for d in (res[0].dtype, self.dtype))
         raise_named(RuntimeError(f"result type {a} can't be cast to the desired output type {b}"), f"{op}({sig})")
+    if tuple(res[0].shape) != tuple(self.shape):
+        # the other operand broadcasts self to a bigger shape: an in-place op cannot resize self
+        raise_named(RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape "
+                                 f"{list(res[0].shape)}"), f"{op}({sig})")
 
 
 def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
