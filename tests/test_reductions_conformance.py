@@ -106,3 +106,22 @@ def test_histc_checks():
     _like_cpu(torch.histc, torch.tensor([math.nan]))
     _like_cpu(torch.histc, torch.tensor([1.0, 2.0, math.inf]))  # the data's range is [1, inf]
     _like_cpu(lambda x: torch.histc(x, bins=4, max=3), torch.tensor([1.0, 2.0, math.inf]))  # a given range
+
+
+@pytest.mark.parametrize("op", [torch.argmax, torch.argmin])
+def test_argmax_of_an_empty_tensor(op):
+    t = torch.zeros(2, 0, 4)
+    _like_cpu(op, t)
+    _like_cpu(op, t, 1)
+    _like_cpu(op, t, 2)
+
+
+@pytest.mark.parametrize("op", [torch.std, torch.var, torch.var_mean, torch.std_mean])
+def test_no_degrees_of_freedom_warns_each_call(op):
+    x = torch.randn(10, 20, device="tpu")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            op(x, dim=-1, correction=20)
+        op(x, dim=-1)
+    assert len(w) == 2 and all("degrees of freedom is <= 0" in str(m.message) for m in w)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,21 @@ def prod(self, dim=None, keepdim=False, dtype=None):
     return jnp.prod(_acc(self, dtype), axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
+def _dof_check(name: str):
+    """The check of var/std: CPU warns (each call) when the correction leaves no degrees of
+    freedom, then returns inf or NaN."""
+
+    def check(self, dim=None, correction=None, keepdim=False, **out):
+        axes = range(self.dim()) if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) else (
+            [dim] if isinstance(dim, int) else dim)
+        n = math.prod(self.shape[d] for d in axes) if self.dim() else 1
+        if self.numel() and n - (1 if correction is None else correction) <= 0:
+            warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the "
+                          "reduction factor (input numel divided by output numel).", UserWarning, stacklevel=3)
+
+    return check
+
+
 def _var(x, dim, correction, keepdim):
     x = _acc(x, floating=True)
     axes = _axes(dim, x.ndim)
@@ -122,22 +138,22 @@ def _var(x, dim, correction, keepdim):
     return var, (mu if keepdim else jnp.squeeze(mu, axes))
 
 
-@lower(aten.var.correction)
+@lower(aten.var.correction, check=_dof_check("var"))
 def var(self, dim=None, correction=None, keepdim=False):
     return _var(self, dim, correction, keepdim)[0]
 
 
-@lower(aten.std.correction)
+@lower(aten.std.correction, check=_dof_check("std"))
 def std(self, dim=None, correction=None, keepdim=False):
     return jnp.sqrt(_var(self, dim, correction, keepdim)[0])
 
 
-@lower(aten.var_mean.correction)
+@lower(aten.var_mean.correction, check=_dof_check("var_mean"))
 def var_mean(self, dim=None, correction=None, keepdim=False):
     return _var(self, dim, correction, keepdim)
 
 
-@lower(aten.std_mean.correction)
+@lower(aten.std_mean.correction, check=_dof_check("std_mean"))
 def std_mean(self, dim=None, correction=None, keepdim=False):
     v, m = _var(self, dim, correction, keepdim)
     return jnp.sqrt(v), m
@@ -267,6 +283,22 @@ def min_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.min, jnp.argmin)
 
 
+def _arg_meta(name: str, op):
+    """argmax/argmin of an empty tensor: CPU's IndexError, for a full reduction as for an empty
+    reduced dim (torch's meta kernel raises a RuntimeError for the first)."""
+
+    def meta(self, dim=None, keepdim=False, **out):
+        if self.numel() == 0:
+            if dim is None:
+                raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
+            d = dim % builtins.max(self.ndim, 1)
+            if self.ndim and self.shape[d] == 0:
+                raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, dim, keepdim, **out)
+
+    return meta
+
+
 def _arg(x, dim, keepdim, fn):
     if dim is None:
         out = fn(x.reshape(-1)).astype(_I64)
@@ -276,12 +308,12 @@ def _arg(x, dim, keepdim, fn):
     return _restore(fn(y, axis=d, keepdims=keepdim).astype(_I64), x)
 
 
-@lower(aten.argmax.default)
+@lower(aten.argmax.default, meta=_arg_meta("argmax", aten.argmax))
 def argmax(self, dim=None, keepdim=False):
     return _arg(self, dim, keepdim, jnp.argmax)
 
 
-@lower(aten.argmin.default)
+@lower(aten.argmin.default, meta=_arg_meta("argmin", aten.argmin))
 def argmin(self, dim=None, keepdim=False):
     return _arg(self, dim, keepdim, jnp.argmin)
 
