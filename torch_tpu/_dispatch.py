@@ -319,9 +319,9 @@ def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, si
         return
     name = op._schema.name.split("::")[1]
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
-    sig = [(a.name, str(a.type)) for a in op._schema.arguments]
+    args_sig = [(a.name, str(a.type)) for a in op._schema.arguments]
     overload = next((o for o in (getattr(packet, n) for n in packet.overloads())
-                     if [(a.name, str(a.type)) for a in o._schema.arguments] == sig), None) if packet else None
+                     if [(a.name, str(a.type)) for a in o._schema.arguments] == args_sig), None) if packet else None
     if overload is None:
         return
     try:
