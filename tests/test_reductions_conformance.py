@@ -125,3 +125,12 @@ def test_no_degrees_of_freedom_warns_each_call(op):
             op(x, dim=-1, correction=20)
         op(x, dim=-1)
     assert len(w) == 2 and all("degrees of freedom is <= 0" in str(m.message) for m in w)
+
+
+def test_selection_along_an_empty_dim():
+    t = torch.zeros(2, 0, 4)
+    _like_cpu(lambda x: torch.median(x, 1).values, t)
+    _like_cpu(lambda x: torch.nanmedian(x, 1).values, t)
+    _like_cpu(lambda x: torch.kthvalue(x, 1, 1).values, t)
+    _like_cpu(lambda x: torch.median(x, 2).values, t)
+    _like_cpu(lambda x: torch.kthvalue(torch.arange(6.0).reshape(2, 3), 2, dim=1).values, t)

@@ -513,7 +513,21 @@ def _nan_count(v):
     return jnp.zeros(v.shape[:-1], _I64)
 
 
-@lower(aten.kthvalue.default)
+def _empty_dim_meta(name: str, op, dim_at: int):
+    """The meta of a selection along one dim (median, kthvalue): an empty reduced dim is CPU's
+    IndexError, checked before anything else (kthvalue's k, for one)."""
+
+    def meta(self, *args, **kwargs):
+        dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else -1)
+        d = dim % builtins.max(self.ndim, 1)
+        if self.ndim and self.shape[d] == 0:
+            raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, *args, **kwargs)
+
+    return meta
+
+
+@lower(aten.kthvalue.default, meta=_empty_dim_meta("kthvalue", aten.kthvalue, 1))
 def kthvalue(self, k, dim=-1, keepdim=False):
     return _pick(self, dim, keepdim, lambda v: jnp.full(v.shape[:-1], k - 1, _I64))
 
@@ -531,12 +545,12 @@ def _nanmedian_pos(v):
     return jnp.maximum((n - 1) // 2, 0).astype(_I64)
 
 
-@lower(aten.median.dim)
+@lower(aten.median.dim, meta=_empty_dim_meta("median", aten.median, 0))
 def median_dim(self, dim, keepdim=False):
     return _pick(self, dim, keepdim, _median_pos)
 
 
-@lower(aten.nanmedian.dim)
+@lower(aten.nanmedian.dim, meta=_empty_dim_meta("median", aten.nanmedian, 0))
 def nanmedian_dim(self, dim, keepdim=False):
     return _pick(self, dim, keepdim, _nanmedian_pos)
 
