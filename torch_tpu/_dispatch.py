@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -238,7 +239,9 @@ class _OpKernel:
         pos_spec, kw_spec = key[0], key[1]
         sig = ", ".join(_describe(s) for s in pos_spec)
         try:
-            metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
+            with warnings.catch_warnings():  # the resize warning is the kernel's, at every call
+                warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+                metas = meta_outputs(self.op, args, kwargs, self.lowering.meta)
         except Exception as e:  # CPU's error type, with the op and the input shapes named
             metas = self._out_dtype_refused(e, args, kwargs, sig)
         else:
@@ -247,6 +250,7 @@ class _OpKernel:
                 if isinstance(verdict, BaseException):  # an out dtype CPU refuses, with CPU's words
                     raise_named(verdict, f"{self.name}({sig})")
         if self.kind == "inplace":
+            _check_inplace_cast(self.op, args, kwargs, sig)
             metas = list(to_meta(args[0])) if isinstance(args[0], (list, tuple)) else [to_meta(args[0])]
         avals = [None if m is None else (tuple(m.shape), m.dtype) for m in metas]  # None: undefined
         outs = [None if a is None else (a[0], _dtypes.to_jax(a[1])) for a in avals]
@@ -408,6 +412,8 @@ class _OpKernel:
             if not is_tpu(t):
                 raise device_mismatch(name, t.device)
             if tuple(t.shape) != shape:
+                if t.numel():
+                    warnings.warn(_RESIZED.format(list(t.shape), list(shape)), UserWarning, stacklevel=2)
                 set_base(t, shape, t.dtype, None)
             write(t, value)
         return targets[0] if len(targets) == 1 else tuple(targets)
@@ -425,6 +431,44 @@ def _write_result(t: torch.Tensor, value: Any, k: Any, exact: Any) -> None:
         write(t, value)
 
 
+# CPU's words when an out= tensor with elements has the wrong shape (resize_output)
+_RESIZED = ("An output with one or more elements was resized since it had shape {}, which does not match the "
+            "required output shape {}. This behavior is deprecated, and in a future PyTorch release outputs will "
+            "not be resized unless they have zero elements. You can explicitly reuse an out tensor t by resizing "
+            "it, inplace, to zero elements with t.resize_(0).")
+
+
+def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:
+    """CPU refuses an in-place op whose result ``self`` cannot hold, which torch's meta kernels
+    let through: a result dtype that does not cast safely to ``self``'s (``int_tensor *= 1.5`` as
+    a 0-dim float tensor, ``int_tensor.fmod_(float_tensor)``) or a shape the other operands
+    broadcast ``self`` to (``ones(2).pow_(ones(2, 1))``). Once per signature, when the program is
+    built."""
+    self = args[0] if args else None
+    if not isinstance(self, torch.Tensor):
+        return
+    name = op._schema.name.split("::")[1]
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    args_sig = [(a.name, str(a.type)) for a in op._schema.arguments]
+    overload = next((o for o in (getattr(packet, n) for n in packet.overloads())
+                     if [(a.name, str(a.type)) for a in o._schema.arguments] == args_sig), None) if packet else None
+    if overload is None:
+        return
+    try:
+        res = meta_outputs(overload, args, kwargs, None)
+    except Exception:  # the in-place meta kernel has the last word on anything else
+        return
+    if not res or not isinstance(res[0], torch.Tensor):
+        return
+    if not torch.can_cast(res[0].dtype, self.dtype):
+        a, b = (_CPP_NAMES.get(str(d).split(".")[1], str(d)) for d in (res[0].dtype, self.dtype))
+        raise_named(RuntimeError(f"result type {a} can't be cast to the desired output type {b}"), f"{op}({sig})")
+    if tuple(res[0].shape) != tuple(self.shape):
+        # the other operand broadcasts self to a bigger shape: an in-place op cannot resize self
+        raise_named(RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape "
+                                 f"{list(res[0].shape)}"), f"{op}({sig})")
+
+
 def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The functional overload an ``out=`` overload writes the results of (same arguments, less
     the out tensors), or None."""
@@ -437,14 +481,24 @@ def _functional_of(out_op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
     return None
 
 
+# torch's dtype names as CPU's C++ kernels spell them in messages
+_CPP_NAMES = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
+              "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
+              "complex64": "ComplexFloat", "complex128": "ComplexDouble", "complex32": "ComplexHalf"}
+_CAST = re.compile(r"result type torch\.(\w+) can't be cast to the desired output type torch\.(\w+)")
+
+
 def _tidy(e: Exception) -> Exception:
     """Some of torch's Python meta kernels build messages from indented multi-line strings
     ("non-zero                       size"); CPU's C++ kernels say it with single spaces, which is
-    what a user's (or a test's) pattern matches."""
+    what a user's (or a test's) pattern matches. The in-place cast refusal names dtypes as CPU
+    does ("result type Float can't be cast to the desired output type Long")."""
     text = str(e)
-    if "   " not in text or len(e.args) != 1:
+    if len(e.args) != 1 or ("   " not in text and "result type torch." not in text):
         return e
     tidy = re.sub(r"(?<=\S) {3,}(?=\S)", " ", text)
+    tidy = _CAST.sub(lambda m: f"result type {_CPP_NAMES.get(m[1], m[1])} can't be cast to the desired output "
+                               f"type {_CPP_NAMES.get(m[2], m[2])}", tidy)
     try:
         new = type(e)(tidy)
     except Exception:
@@ -546,16 +600,20 @@ def _twins(op: torch._ops.OpOverload) -> list[tuple[torch._ops.OpOverload, str]]
     schema = op._schema
     base = schema.name.split("::")[1]
     found = []
-    inplace = getattr(getattr(aten, base + "_", None), op._overloadname, None)
-    if inplace is not None:
-        found.append((inplace, "inplace"))
-    names = [a.name for a in schema.arguments]
+    # same argument names *and types*: pow_.Scalar (Tensor self, Scalar exponent) is no twin of
+    # pow.Scalar (Scalar self, Tensor exponent), though the overload names agree
+    sig = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = getattr(aten, base + "_", None)
+    for cand in (getattr(packet, n) for n in packet.overloads()) if packet is not None else ():
+        if [(a.name, str(a.type)) for a in cand._schema.arguments] == sig:
+            found.append((cand, "inplace"))
+            break
     for cand in dispatcher_overloads(getattr(aten, base)):
         if cand is op or not is_mutating(cand):
             continue
         outs = [a for a in cand._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
-        rest = [a.name for a in cand._schema.arguments if a not in outs]
-        if outs and rest == names:
+        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if a not in outs]
+        if outs and rest == sig:
             found.append((cand, "out"))
     return found
 

@@ -53,3 +53,28 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
         else:
             flat.extend(o)
     return flat
+
+
+def _cpu_stand_in(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.device.type == "meta":
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_()
+    if isinstance(a, (list, tuple)):
+        return type(a)(_cpu_stand_in(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "meta":
+        return torch.device("cpu")
+    return a
+
+
+def cpu_meta(packet: torch._ops.OpOverloadPacket) -> Callable:
+    """A ``meta`` for ops whose meta kernel checks less than CPU's kernel (searchsorted: the
+    boundaries' rank, ``side``, the sorter's dtype; the non-contiguous warning): the op itself on
+    zero-filled CPU tensors of the arguments' shapes, strides and dtypes, once per signature. It
+    raises (and warns) what CPU does for those; checks of values are not made here."""
+
+    def meta(*args: Any, **kwargs: Any) -> Any:
+        out = packet(*_cpu_stand_in(args), **{k: _cpu_stand_in(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+        return type(out)(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta") for o in out)
+
+    return meta

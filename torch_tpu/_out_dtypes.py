@@ -26,7 +26,8 @@ _MAX_NUMEL = 1 << 22
 
 # The messages of torch's out wrapper (torch/_prims_common/wrappers.py) about an out tensor's
 # dtype: when CPU accepts that dtype, the meta kernel's refusal is not CPU's behaviour.
-_ABOUT_DTYPES = re.compile(r"dtype|result type|non-boolean|can't be cast|for complex tensors")
+_ABOUT_DTYPES = re.compile(r"dtype|result type|non-boolean|can't be cast|for complex tensors"
+                           r"|bool tensor for result|scalar type")
 _META_DTYPE_MESSAGES = ("Expected out tensor to have dtype", "Attempting to cast from")
 
 
@@ -49,9 +50,13 @@ class _TooBig(Exception):
 def cpu_verdict(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None | bool:
     """Runs ``op`` on CPU stand-ins of its arguments: the exception CPU raises, None when CPU
     accepts the call, False when it can't be asked (a stand-in too big, a dtype CPU lacks)."""
+    # out tensors stand in with no elements: CPU resizes those silently (its resize warning would
+    # be flushed to the caller, who gets the dispatcher's own at every call)
+    outs = {a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write}
     try:
         cargs = _stand_in(args)
-        ckw = {k: _stand_in(v) for k, v in kwargs.items()}
+        ckw = {k: torch.empty(0, dtype=v.dtype) if k in outs and isinstance(v, torch.Tensor) else _stand_in(v)
+               for k, v in kwargs.items()}
     except _TooBig:
         return False
     try:

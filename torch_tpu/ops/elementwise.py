@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jsp
 import numpy as np
+import torch
 from jax import lax
 
 from torch_tpu.ops._registry import aten, lower
@@ -96,7 +97,17 @@ def _common(*xs, floating: bool = False):
     dt = _opmath(common)
     if floating and _category(dt) < 2:
         dt = common = _F32
-    return tuple(None if x is None else jnp.asarray(jnp.asarray(x, common), dt) for x in xs)
+    return tuple(None if x is None else jnp.asarray(jnp.asarray(_wrap_int(x, common), common), dt) for x in xs)
+
+
+def _wrap_int(x, dt: np.dtype):
+    """A Python int outside an integer dtype's range wraps around as CPU's cast does (int8 + 300
+    adds 44), where jax refuses it."""
+    if type(x) is int and dt.kind in "iu":
+        info = np.iinfo(dt)
+        if not info.min <= x <= info.max:
+            return int(np.array(x, np.int64).astype(dt)) if -(1 << 63) <= x < (1 << 63) else x
+    return x
 
 
 def _fl(x):
@@ -116,7 +127,36 @@ def _scaled(b, alpha):
     return b if alpha is None else b * alpha
 
 
-@lower(aten.add.Tensor, aten.add.Scalar)
+def _is_bool(x) -> bool:
+    return x.dtype == torch.bool if isinstance(x, torch.Tensor) else isinstance(x, bool)
+
+
+def _alpha_meta(op, subtracts: bool = False):
+    """The meta of add/sub/rsub with CPU's checks of ``alpha`` against the result dtype (torch's
+    meta kernel raises a ValueError of its own, or accepts a bool alpha on integers) and, for
+    subtraction, of bool operands."""
+
+    def meta(self, other, alpha=1, **out):
+        if subtracts and (_is_bool(self) or _is_bool(other)):
+            if _is_bool(self) and _is_bool(other):
+                raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                                   "Use the `^` or `logical_xor()` operator instead.")
+            raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. If you are "
+                               "trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+        if alpha is not None:
+            dt = torch.result_type(self, other)
+            if isinstance(alpha, bool) and dt != torch.bool:
+                raise RuntimeError("Boolean alpha only supported for Boolean results.")
+            if isinstance(alpha, float) and not (dt.is_floating_point or dt.is_complex):
+                raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
+            if isinstance(alpha, complex) and not dt.is_complex:
+                raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex number.")
+        return op(self, other, alpha=alpha, **out)
+
+    return meta
+
+
+@lower(aten.add.Tensor, aten.add.Scalar, meta=_alpha_meta(aten.add))
 def add(self, other, alpha=None):
     a, b, al = _common(self, other, alpha)
     if al is not None and al.dtype == np.bool_:
@@ -124,13 +164,13 @@ def add(self, other, alpha=None):
     return a + b if alpha is None else a + b * al
 
 
-@lower(aten.sub.Tensor, aten.sub.Scalar)
+@lower(aten.sub.Tensor, aten.sub.Scalar, meta=_alpha_meta(aten.sub, subtracts=True))
 def sub(self, other, alpha=None):
     a, b, al = _common(self, other, alpha)
     return a - _scaled(b, al)
 
 
-@lower(aten.rsub.Tensor, aten.rsub.Scalar)
+@lower(aten.rsub.Tensor, aten.rsub.Scalar, meta=_alpha_meta(aten.rsub, subtracts=True))
 def rsub(self, other, alpha=None):
     a, b, al = _common(self, other, alpha)
     return b - _scaled(a, al)
@@ -162,6 +202,8 @@ def _floor_div(a, b):
 def div(self, other, rounding_mode=None):
     if rounding_mode is None:
         a, b = _common(self, other, floating=True)
+        if jnp.iscomplexobj(b):  # Smith's division: no overflow or underflow in |b|^2
+            return _complex_div(a, b)
         return a / b
     a, b = _common(self, other)
     if rounding_mode == "floor":
@@ -197,10 +239,19 @@ def pow_(self, exponent):
     a, b = _common(self, exponent)
     if a.dtype == np.bool_:
         return jnp.logical_or(a, jnp.logical_not(b))
+    if jnp.iscomplexobj(a):
+        return _complex_pow(a, b)
     return jnp.power(a, b)
 
 
-def _check_pow(self, exponent):
+def _complex_pow(a, b):
+    """a ** b of complex operands as CPU's cpow computes it away from a = 0: exp(b log a), with
+    exp's special values (a product whose real part underflows is 0, where XLA's power gives NaN
+    for a huge imaginary part). A zero base keeps XLA's answer."""
+    return jnp.where(a == 0, jnp.power(a, b), _exp(b * jnp.log(jnp.where(a == 0, jnp.ones_like(a), a))))
+
+
+def _check_pow(self, exponent, **out):
     if not self.dtype.is_floating_point and not self.dtype.is_complex and type(exponent) is int and exponent < 0:
         raise RuntimeError("Integers to negative integer powers are not allowed.")
 
@@ -283,25 +334,46 @@ def xlog1py(self, other):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log1p(y)))
 
 
-@lower(aten.maximum.default)
+def _real_only_meta(name: str, op):
+    """The meta of an ordering op (maximum, fmax...): CPU has no kernel for complex operands, and
+    says so, where torch's meta kernel computes a complex result."""
+
+    def meta(self, other, **out):
+        if any(isinstance(t, torch.Tensor) and t.is_complex() for t in (self, other)):
+            raise RuntimeError(f"{name} not implemented for complex tensors.")
+        return op(self, other, **out)
+
+    return meta
+
+
+def _heaviside_meta(self, values, **out):
+    """CPU's heaviside refuses complex operands, then operands of two dtypes (no promotion)."""
+    if self.is_complex() or values.is_complex():
+        raise RuntimeError("heaviside is not yet implemented for complex tensors.")
+    if self.dtype != values.dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
+    return aten.heaviside(self, values, **out)
+
+
+@lower(aten.maximum.default, meta=_real_only_meta("maximum", aten.maximum))
 def maximum(self, other):
     a, b = _common(self, other)
     return jnp.maximum(a, b)
 
 
-@lower(aten.minimum.default)
+@lower(aten.minimum.default, meta=_real_only_meta("minimum", aten.minimum))
 def minimum(self, other):
     a, b = _common(self, other)
     return jnp.minimum(a, b)
 
 
-@lower(aten.fmax.default)
+@lower(aten.fmax.default, meta=_real_only_meta("fmax", aten.fmax))
 def fmax(self, other):
     a, b = _common(self, other)
     return jnp.fmax(a, b)
 
 
-@lower(aten.fmin.default)
+@lower(aten.fmin.default, meta=_real_only_meta("fmin", aten.fmin))
 def fmin(self, other):
     a, b = _common(self, other)
     return jnp.fmin(a, b)
@@ -371,7 +443,7 @@ def masked_fill(self, mask, value):
     return jnp.where(mask.astype(bool), jnp.asarray(value).astype(self.dtype), self)
 
 
-@lower(aten.heaviside.default)
+@lower(aten.heaviside.default, meta=_heaviside_meta)
 def heaviside(self, values):
     a, v = _common(self, values)
     return jnp.where(a == 0, v, (a > 0).astype(a.dtype))
@@ -490,9 +562,11 @@ def _complex_div(a, b):
     c_big = jnp.abs(c) >= jnp.abs(d)
     zero = (c == 0) & (d == 0)
     rat = jnp.where(c_big, d / jnp.where(zero, 1, c), c / d)
-    scl = 1 / jnp.where(c_big, c + d * rat, d + c * rat)
-    real = jnp.where(c_big, (ar + ai * rat) * scl, (ar * rat + ai) * scl)
-    imag = jnp.where(c_big, (ai - ar * rat) * scl, (ai * rat - ar) * scl)
+    # divided by, not multiplied by its reciprocal: 1 / |b| of a huge b is subnormal, which XLA
+    # flushes to zero (CPU's (max/2 + i max/2) / itself is 1, not 0)
+    den = jnp.where(c_big, c + d * rat, d + c * rat)
+    real = jnp.where(c_big, ar + ai * rat, ar * rat + ai) / den
+    imag = jnp.where(c_big, ai - ar * rat, ai * rat - ar) / den
     real = jnp.where(zero, ar / jnp.abs(c), real)  # division by zero: a complex inf or nan
     imag = jnp.where(zero, ai / jnp.abs(d), imag)
     return lax.complex(real, imag)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,18 @@ _I64 = np.dtype(jnp.int64)
 _F32 = np.dtype(jnp.float32)
 
 
+def _dims_limit(ndim: int) -> None:
+    """CPU's reduction kernels index dimensions with a 64-bit mask: reducing a tensor of more
+    than 64 dimensions along given dims is an error there (all of them, ``dim=None``, is not)."""
+    if ndim > 64:
+        raise RuntimeError(f"only tensors with up to 64 dims are supported, but got a tensor of {ndim} dims")
+
+
 def _axes(dim, ndim: int) -> tuple[int, ...] | None:
     """Normalised reduction axes; None means all."""
     if dim is None:
         return None
+    _dims_limit(ndim)
     if isinstance(dim, int):
         dim = [dim]
     if len(dim) == 0:
@@ -78,7 +87,13 @@ def sum_(self, dim=None, keepdim=False, dtype=None):
     return jnp.sum(_acc(self, dtype), axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-@lower(aten.nansum.default)
+def _nansum_meta(self, dim=None, keepdim=False, *, dtype=None, **out):
+    """torch's meta kernel reads ``dim=[]`` as "reduce nothing"; CPU's nansum, like sum, reduces
+    every dimension then."""
+    return aten.nansum(self, None if dim is not None and len(dim) == 0 else dim, keepdim, dtype=dtype, **out)
+
+
+@lower(aten.nansum.default, meta=_nansum_meta)
 def nansum(self, dim=None, keepdim=False, dtype=None):
     x = _acc(self, dtype)
     if not _is_int(x):
@@ -96,6 +111,21 @@ def prod(self, dim=None, keepdim=False, dtype=None):
     return jnp.prod(_acc(self, dtype), axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
+def _dof_check(name: str):
+    """The check of var/std: CPU warns (each call) when the correction leaves no degrees of
+    freedom, then returns inf or NaN."""
+
+    def check(self, dim=None, correction=None, keepdim=False, **out):
+        axes = range(self.dim()) if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) else (
+            [dim] if isinstance(dim, int) else dim)
+        n = math.prod(self.shape[d] for d in axes) if self.dim() else 1
+        if self.numel() and n - (1 if correction is None else correction) <= 0:
+            warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the "
+                          "reduction factor (input numel divided by output numel).", UserWarning, stacklevel=3)
+
+    return check
+
+
 def _var(x, dim, correction, keepdim):
     x = _acc(x, floating=True)
     axes = _axes(dim, x.ndim)
@@ -108,22 +138,22 @@ def _var(x, dim, correction, keepdim):
     return var, (mu if keepdim else jnp.squeeze(mu, axes))
 
 
-@lower(aten.var.correction)
+@lower(aten.var.correction, check=_dof_check("var"))
 def var(self, dim=None, correction=None, keepdim=False):
     return _var(self, dim, correction, keepdim)[0]
 
 
-@lower(aten.std.correction)
+@lower(aten.std.correction, check=_dof_check("std"))
 def std(self, dim=None, correction=None, keepdim=False):
     return jnp.sqrt(_var(self, dim, correction, keepdim)[0])
 
 
-@lower(aten.var_mean.correction)
+@lower(aten.var_mean.correction, check=_dof_check("var_mean"))
 def var_mean(self, dim=None, correction=None, keepdim=False):
     return _var(self, dim, correction, keepdim)
 
 
-@lower(aten.std_mean.correction)
+@lower(aten.std_mean.correction, check=_dof_check("std_mean"))
 def std_mean(self, dim=None, correction=None, keepdim=False):
     v, m = _var(self, dim, correction, keepdim)
     return jnp.sqrt(v), m
@@ -196,12 +226,31 @@ def norm(self, p=2, dim=None, keepdim=False, dtype=None):
 
 
 # ------------------------------------------------------------------------------ max, min, all, any
-@lower(aten.amax.default)
+def _no_identity_meta(name: str, op: torch._ops.OpOverload):
+    """The meta of a reduction without an identity (max, min): CPU refuses an empty reduced
+    dimension with an IndexError naming it, and a full reduction of an empty tensor with a
+    RuntimeError, where torch's meta kernel says something else (or nothing)."""
+
+    def meta(self, dim=None, keepdim=False, **out):
+        if self.numel() == 0:
+            if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+                raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+                                   "Specify the reduction dim with the 'dim' argument.")
+            for d in [dim] if isinstance(dim, int) else dim:
+                d = d % builtins.max(self.ndim, 1)
+                if self.ndim and self.shape[d] == 0:
+                    raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, dim, keepdim, **out) if dim is not None else op(self, **out)
+
+    return meta
+
+
+@lower(aten.amax.default, meta=_no_identity_meta("amax", aten.amax))
 def amax(self, dim=(), keepdim=False):
     return jnp.max(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
-@lower(aten.amin.default)
+@lower(aten.amin.default, meta=_no_identity_meta("amin", aten.amin))
 def amin(self, dim=(), keepdim=False):
     return jnp.min(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
@@ -224,30 +273,47 @@ def _value_index(x, dim, keepdim, val_fn, arg_fn):
     return _restore(v, x), _restore(i, x)
 
 
-@lower(aten.max.dim)
+@lower(aten.max.dim, meta=_no_identity_meta("max", aten.max))
 def max_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.max, jnp.argmax)
 
 
-@lower(aten.min.dim)
+@lower(aten.min.dim, meta=_no_identity_meta("min", aten.min))
 def min_dim(self, dim, keepdim=False):
     return _value_index(self, dim, keepdim, jnp.min, jnp.argmin)
+
+
+def _arg_meta(name: str, op):
+    """argmax/argmin of an empty tensor: CPU's IndexError, for a full reduction as for an empty
+    reduced dim (torch's meta kernel raises a RuntimeError for the first)."""
+
+    def meta(self, dim=None, keepdim=False, **out):
+        if self.numel() == 0:
+            if dim is None:
+                raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
+            d = dim % builtins.max(self.ndim, 1)
+            if self.ndim and self.shape[d] == 0:
+                raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, dim, keepdim, **out)
+
+    return meta
 
 
 def _arg(x, dim, keepdim, fn):
     if dim is None:
         out = fn(x.reshape(-1)).astype(_I64)
         return out.reshape((1,) * x.ndim) if keepdim else out
+    _dims_limit(x.ndim)
     y, d = _as_1d(x, dim)
     return _restore(fn(y, axis=d, keepdims=keepdim).astype(_I64), x)
 
 
-@lower(aten.argmax.default)
+@lower(aten.argmax.default, meta=_arg_meta("argmax", aten.argmax))
 def argmax(self, dim=None, keepdim=False):
     return _arg(self, dim, keepdim, jnp.argmax)
 
 
-@lower(aten.argmin.default)
+@lower(aten.argmin.default, meta=_arg_meta("argmin", aten.argmin))
 def argmin(self, dim=None, keepdim=False):
     return _arg(self, dim, keepdim, jnp.argmin)
 
@@ -447,7 +513,21 @@ def _nan_count(v):
     return jnp.zeros(v.shape[:-1], _I64)
 
 
-@lower(aten.kthvalue.default)
+def _empty_dim_meta(name: str, op, dim_at: int):
+    """The meta of a selection along one dim (median, kthvalue): an empty reduced dim is CPU's
+    IndexError, checked before anything else (kthvalue's k, for one)."""
+
+    def meta(self, *args, **kwargs):
+        dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else -1)
+        d = dim % builtins.max(self.ndim, 1)
+        if self.ndim and self.shape[d] == 0:
+            raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+        return op(self, *args, **kwargs)
+
+    return meta
+
+
+@lower(aten.kthvalue.default, meta=_empty_dim_meta("kthvalue", aten.kthvalue, 1))
 def kthvalue(self, k, dim=-1, keepdim=False):
     return _pick(self, dim, keepdim, lambda v: jnp.full(v.shape[:-1], k - 1, _I64))
 
@@ -465,12 +545,12 @@ def _nanmedian_pos(v):
     return jnp.maximum((n - 1) // 2, 0).astype(_I64)
 
 
-@lower(aten.median.dim)
+@lower(aten.median.dim, meta=_empty_dim_meta("median", aten.median, 0))
 def median_dim(self, dim, keepdim=False):
     return _pick(self, dim, keepdim, _median_pos)
 
 
-@lower(aten.nanmedian.dim)
+@lower(aten.nanmedian.dim, meta=_empty_dim_meta("median", aten.nanmedian, 0))
 def nanmedian_dim(self, dim, keepdim=False):
     return _pick(self, dim, keepdim, _nanmedian_pos)
 

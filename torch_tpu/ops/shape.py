@@ -9,6 +9,7 @@ is cut to it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torch_tpu._meta import cpu_meta
 from torch_tpu._storage import new_tensor, read
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.indexing import index_range
@@ -112,7 +114,7 @@ def _side(right: bool, side: str | None) -> str:
     return side if side is not None else ("right" if right else "left")
 
 
-@lower(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+@lower(aten.searchsorted.Tensor, aten.searchsorted.Scalar, meta=cpu_meta(aten.searchsorted))
 def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None, sorter=None):
     seq = sorted_sequence
     if sorter is not None:
@@ -128,7 +130,7 @@ def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None,
     return out.reshape(batch + v.shape[-1:])
 
 
-@lower(aten.bucketize.Tensor, aten.bucketize.Scalar)
+@lower(aten.bucketize.Tensor, aten.bucketize.Scalar, meta=cpu_meta(aten.bucketize))
 def bucketize(self, boundaries, out_int32=False, right=False):
     # torch's right=False means boundaries[i-1] < x <= boundaries[i]: numpy's side='left'
     return jnp.searchsorted(boundaries, jnp.asarray(self), side="right" if right else "left")
@@ -136,9 +138,14 @@ def bucketize(self, boundaries, out_int32=False, right=False):
 
 def _check_histc(self, bins=100, min=0, max=0):
     if bins <= 0:
-        raise RuntimeError("torch.histc: bins must be > 0")
-    if float(min) > float(max):
+        raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    lo, hi = float(min), float(max)
+    if lo > hi:
         raise RuntimeError("torch.histc: max must be larger than min")
+    if lo == hi and self.numel():  # the data's range: read, as CPU reads it
+        lo, hi = float(self.min()), float(self.max())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
 
 
 @lower(aten.histc, check=_check_histc)

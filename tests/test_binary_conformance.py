@@ -1,0 +1,140 @@
+"""Binary ops as CPU has them where OpInfo's samples don't look: CPU's refusals (complex operands
+of ordering ops, heaviside's mixed dtypes, add/sub's ``alpha`` and bool operands, in-place
+results ``self`` cannot hold) with CPU's words, and Python ints outside an integer dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _outcome(fn, *args):
+    try:
+        r = fn(*args)
+    except Exception as e:  # the comparison is the test
+        return type(e), str(e)
+    return "ok", r.cpu()
+
+
+def _like_cpu(fn, *args):
+    """``fn`` on CPU tensors and on tpu copies: CPU's values, or CPU's exception type with CPU's
+    message inside ours."""
+    moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]  # before in-place ops run
+    cpu = _outcome(fn, *args)
+    tpu = _outcome(fn, *moved)
+    if cpu[0] == "ok":
+        assert tpu[0] == "ok", tpu
+        torch.testing.assert_close(tpu[1], cpu[1], equal_nan=True)
+    else:
+        assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
+        assert cpu[1] in tpu[1]
+
+
+C = torch.tensor([1 + 2j, -1j])
+F = torch.tensor([0.5, -2.0])
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.minimum, torch.fmax, torch.fmin, torch.max, torch.min])
+def test_ordering_ops_refuse_complex(op):
+    _like_cpu(op, C, F)
+    _like_cpu(op, F, C)
+    _like_cpu(op, F, F)
+
+
+def test_heaviside_refuses_complex_and_mixed_dtypes():
+    ints = torch.tensor([-1, 0, 3])
+    _like_cpu(torch.heaviside, C, C.real)
+    _like_cpu(torch.heaviside, ints, ints.float())
+    _like_cpu(torch.heaviside, ints, ints)
+    _like_cpu(lambda a, b, o: torch.heaviside(a, b, out=o), ints, ints.float(), torch.empty(3, dtype=torch.long))
+
+
+def test_alpha_and_bool_operands_of_add_and_sub():
+    i8 = torch.tensor([1, 2], dtype=torch.int8)
+    b = torch.tensor([True, False])
+    for op in (torch.add, torch.sub):
+        _like_cpu(lambda x, f=op: f(x, x, alpha=True), i8)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=1.5), i8)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=2j), F)
+        _like_cpu(lambda x, f=op: f(x, x, alpha=2), i8)
+    _like_cpu(torch.add, b, b)
+    _like_cpu(torch.sub, b, b)
+    _like_cpu(lambda x: 1 - x, b)
+    _like_cpu(lambda x: x - 1, b)
+    _like_cpu(lambda x, o: torch.add(x, x, alpha=0.5, out=o), F, torch.empty(2))
+
+
+def test_in_place_result_self_cannot_hold():
+    """The functional result dtype must cast to ``self``'s: a 0-dim float tensor makes an int
+    tensor's product float, as does a float divisor its remainder."""
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor(3, dtype=torch.int32), torch.tensor(1.5))
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([3], dtype=torch.int32), torch.tensor(1.5))
+    _like_cpu(lambda y, x: y.fmod_(x), torch.tensor([5, 7]), torch.tensor([2.5, 3.0]))
+    _like_cpu(lambda y: y.div_(2), torch.tensor([5, 7]))
+    _like_cpu(lambda y, x: y.eq_(x), torch.tensor([5, 7]), torch.tensor([5.0, 3.0]))
+    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([1.5]), torch.tensor(2.0, dtype=torch.float64))
+
+
+def test_python_int_outside_the_dtype_wraps():
+    _like_cpu(lambda x: x + 300, torch.tensor([1, -2], dtype=torch.int8))
+    _like_cpu(lambda x: x * 300, torch.tensor([1, 2], dtype=torch.uint8))
+    _like_cpu(lambda x: x.add_(-129), torch.tensor([1, 2], dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_division_near_the_range_limits(dtype):
+    """Smith's division as CPU does it: no |b|^2 that overflows or underflows (a / a is 1 for
+    a huge or tiny a, where the textbook formula gives NaN or 0)."""
+    fi = torch.finfo(dtype)
+    big, tiny = fi.max / 2, fi.tiny
+    num = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(tiny, 0), 0j, 1],
+                       dtype=dtype)
+    den = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(0, tiny),
+                        complex(tiny, tiny), complex(float("inf"), float("inf"))], dtype=dtype)
+    _like_cpu(torch.div, num, den)
+
+
+def test_in_place_twins_match_by_signature():
+    """An in-place overload is served by the lowering whose arguments it has: ``pow_.Scalar``
+    (a Tensor to a Scalar power, with its negative-integer check) is not ``pow.Scalar`` (a
+    Scalar to a Tensor power), nor ``polygamma_(self, n)`` ``polygamma(n, self)``."""
+    ints = torch.tensor([2, 3], dtype=torch.int32)
+    _like_cpu(lambda t: t.pow_(-2), ints)
+    _like_cpu(lambda t, o: torch.pow(t, -2, out=o), ints, torch.empty(2, dtype=torch.int32))
+    _like_cpu(lambda t: t.pow_(2), ints)
+    _like_cpu(lambda t: t.pow_(t), ints)
+    _like_cpu(lambda t: t.polygamma_(1), torch.tensor([0.5, 1.5]))
+    _like_cpu(lambda t, d: t.floor_divide_(d), torch.tensor([7.0, -9.0]), torch.tensor([2.0, 4.0]))
+
+
+def test_out_of_another_shape_warns_once_per_call():
+    """CPU resizes an ``out=`` tensor of the wrong shape with a deprecation warning, each call,
+    once, and silently when the out tensor is empty."""
+    import warnings
+
+    a, b = torch.tensor([1.0, 2.0, 3.0], device="tpu"), torch.tensor([4.0, 5.0, 6.0], device="tpu")
+    for op, args in ((torch.exp, (a,)), (torch.add, (a, b)), (torch.mul, (a[:1], a[:1, None]))):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            op(*args, out=torch.empty(0, device="tpu"))
+            assert len(w) == 0
+            for _ in range(2):
+                op(*args, out=torch.empty(7, device="tpu"))
+            assert len(w) == 2 and all("was resized" in str(x.message) for x in w)
+
+
+def test_complex_power_whose_real_part_underflows():
+    """exp(b log a) with a real part far below the float range is 0 on CPU, whatever the
+    (huge, finite) angle; XLA's complex power gave NaN there."""
+    a = torch.tensor([complex(-1e10, 3e9), complex(5e8, -7e9), complex(2e9, 0), complex(-1e6, 1e6)],
+                     dtype=torch.complex128)
+    b = torch.tensor([complex(1e9, -2e9), complex(-3e8, 4e8), complex(2, 0), complex(0.5, 0.2)],
+                     dtype=torch.complex128)
+    _like_cpu(torch.pow, a, b)
+    _like_cpu(torch.float_power, a, b)
+
+
+def test_in_place_op_cannot_broadcast_self():
+    for base, exp in (((), (3,)), ((2,), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1, 1)), ((2, 3), (3,))):
+        _like_cpu(lambda b, e: b.pow_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
+        _like_cpu(lambda b, e: b.add_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
