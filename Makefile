@@ -9,9 +9,14 @@ PINNED_TORCH := 2.13.0
 NEWEST_TORCH := 2.15.0
 OLDEST_TORCH := 2.11.0
 OLDEST_JAX := 0.10.1
-# The shorter pass: the device, training, compile, fused, distributed, estimator and docs tests.
+# The shorter pass: the device, training, compile, fused, distributed, estimator and fft tests (the
+# docs pages' examples use these same APIs and run in the full pass).
 SHORT_TESTS := tests/test_device.py tests/test_training.py tests/test_compile.py tests/test_fused.py \
-	tests/test_distributed.py tests/test_estimator.py tests/test_docs.py tests/test_ops_fft.py
+	tests/test_distributed.py tests/test_estimator.py tests/test_ops_fft.py
+# The fused pass leaves out files that test nothing eager mode runs: the source layering, the
+# import hook, the benchmark command and the docs pages (their examples choose their own mode).
+FUSED_SKIP := --ignore=tests/test_import_layers.py --ignore=tests/test_autoload.py \
+	--ignore=tests/test_bench.py --ignore=tests/test_docs.py --ignore=tests/test_transformers.py
 # This machine's pip may carry a global constraint file that caps torch below the newest release;
 # the extra venvs install exactly the versions named above, so they read an empty one instead.
 NO_CAP := $(abspath .ci/no-constraints.txt)
@@ -39,7 +44,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check torch_tpu tests tools examples _torch_tpu_autoload.py
 	$(BIN)/python -m pytest tests
-	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests
+	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests $(FUSED_SKIP)
+	# in a process of its own: after the rest of the fused pass, XLA:CPU segfaults compiling (or
+	# loading from the disk cache) this file's BERT step, which passes alone (open; see README)
+	TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest tests/test_transformers.py
 
 # The shorter pass on another torch: import, the demo, then SHORT_TESTS.
 define short_pass
