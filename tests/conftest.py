@@ -32,3 +32,28 @@ def cpu_error(fn, *args, **kwargs) -> type[BaseException]:
     except Exception as e:  # noqa: BLE001 - whatever CPU raises is the reference
         return type(e)
     raise AssertionError(f"CPU raised nothing for {getattr(fn, '__name__', fn)}")
+
+
+def outcome(fn, *args, **kwargs) -> tuple:
+    """("ok", the result on CPU) or (exception type, message) of ``fn(*args, **kwargs)``."""
+    try:
+        r = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the comparison is the test
+        return type(e), str(e)
+    return "ok", r.cpu() if isinstance(r, torch.Tensor) else r
+
+
+def like_cpu(fn, *args, **kwargs) -> None:
+    """``fn`` on CPU tensors and on tpu copies of them: CPU's values, or CPU's exception type with
+    CPU's message inside ours. The copies are made first, before an in-place ``fn`` changes the
+    CPU arguments."""
+    moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]
+    kw = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    cpu = outcome(fn, *args, **kwargs)
+    tpu = outcome(fn, *moved, **kw)
+    if cpu[0] == "ok":
+        assert tpu[0] == "ok", tpu
+        torch.testing.assert_close(tpu[1], cpu[1], equal_nan=True)
+    else:
+        assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
+        assert cpu[1] in tpu[1]

@@ -6,29 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-
-def _outcome(fn, *args):
-    try:
-        r = fn(*args)
-    except Exception as e:  # the comparison is the test
-        return type(e), str(e)
-    return "ok", r.cpu()
-
-
-def _like_cpu(fn, *args):
-    """``fn`` on CPU tensors and on tpu copies: CPU's values, or CPU's exception type with CPU's
-    message inside ours."""
-    moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]  # before in-place ops run
-    cpu = _outcome(fn, *args)
-    tpu = _outcome(fn, *moved)
-    if cpu[0] == "ok":
-        assert tpu[0] == "ok", tpu
-        torch.testing.assert_close(tpu[1], cpu[1], equal_nan=True)
-    else:
-        assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
-        assert cpu[1] in tpu[1]
-
+from conftest import like_cpu
 
 C = torch.tensor([1 + 2j, -1j])
 F = torch.tensor([0.5, -2.0])
@@ -36,45 +14,45 @@ F = torch.tensor([0.5, -2.0])
 
 @pytest.mark.parametrize("op", [torch.maximum, torch.minimum, torch.fmax, torch.fmin, torch.max, torch.min])
 def test_ordering_ops_refuse_complex(op):
-    _like_cpu(op, C, F)
-    _like_cpu(op, F, C)
-    _like_cpu(op, F, F)
+    like_cpu(op, C, F)
+    like_cpu(op, F, C)
+    like_cpu(op, F, F)
 
 
 def test_heaviside_refuses_complex_and_mixed_dtypes():
     ints = torch.tensor([-1, 0, 3])
-    _like_cpu(torch.heaviside, C, C.real)
-    _like_cpu(torch.heaviside, ints, ints.float())
-    _like_cpu(torch.heaviside, ints, ints)
-    _like_cpu(lambda a, b, o: torch.heaviside(a, b, out=o), ints, ints.float(), torch.empty(3, dtype=torch.long))
+    like_cpu(torch.heaviside, C, C.real)
+    like_cpu(torch.heaviside, ints, ints.float())
+    like_cpu(torch.heaviside, ints, ints)
+    like_cpu(lambda a, b, o: torch.heaviside(a, b, out=o), ints, ints.float(), torch.empty(3, dtype=torch.long))
 
 
 def test_alpha_and_bool_operands_of_add():
     i8 = torch.tensor([1, 2], dtype=torch.int8)
     b = torch.tensor([True, False])
-    _like_cpu(lambda x: torch.add(x, x, alpha=True), i8)
-    _like_cpu(lambda x: torch.add(x, x, alpha=1.5), i8)
-    _like_cpu(lambda x: torch.add(x, x, alpha=2j), F)
-    _like_cpu(lambda x: torch.add(x, x, alpha=2), i8)
-    _like_cpu(torch.add, b, b)
-    _like_cpu(lambda x, o: torch.add(x, x, alpha=0.5, out=o), F, torch.empty(2))
+    like_cpu(lambda x: torch.add(x, x, alpha=True), i8)
+    like_cpu(lambda x: torch.add(x, x, alpha=1.5), i8)
+    like_cpu(lambda x: torch.add(x, x, alpha=2j), F)
+    like_cpu(lambda x: torch.add(x, x, alpha=2), i8)
+    like_cpu(torch.add, b, b)
+    like_cpu(lambda x, o: torch.add(x, x, alpha=0.5, out=o), F, torch.empty(2))
 
 
 def test_in_place_result_self_cannot_hold():
     """The functional result dtype must cast to ``self``'s: a 0-dim float tensor makes an int
     tensor's product float, as does a float divisor its remainder."""
-    _like_cpu(lambda y, x: y.mul_(x), torch.tensor(3, dtype=torch.int32), torch.tensor(1.5))
-    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([3], dtype=torch.int32), torch.tensor(1.5))
-    _like_cpu(lambda y, x: y.fmod_(x), torch.tensor([5, 7]), torch.tensor([2.5, 3.0]))
-    _like_cpu(lambda y: y.div_(2), torch.tensor([5, 7]))
-    _like_cpu(lambda y, x: y.eq_(x), torch.tensor([5, 7]), torch.tensor([5.0, 3.0]))
-    _like_cpu(lambda y, x: y.mul_(x), torch.tensor([1.5]), torch.tensor(2.0, dtype=torch.float64))
+    like_cpu(lambda y, x: y.mul_(x), torch.tensor(3, dtype=torch.int32), torch.tensor(1.5))
+    like_cpu(lambda y, x: y.mul_(x), torch.tensor([3], dtype=torch.int32), torch.tensor(1.5))
+    like_cpu(lambda y, x: y.fmod_(x), torch.tensor([5, 7]), torch.tensor([2.5, 3.0]))
+    like_cpu(lambda y: y.div_(2), torch.tensor([5, 7]))
+    like_cpu(lambda y, x: y.eq_(x), torch.tensor([5, 7]), torch.tensor([5.0, 3.0]))
+    like_cpu(lambda y, x: y.mul_(x), torch.tensor([1.5]), torch.tensor(2.0, dtype=torch.float64))
 
 
 def test_python_int_outside_the_dtype_wraps():
-    _like_cpu(lambda x: x + 300, torch.tensor([1, -2], dtype=torch.int8))
-    _like_cpu(lambda x: x * 300, torch.tensor([1, 2], dtype=torch.uint8))
-    _like_cpu(lambda x: x.add_(-129), torch.tensor([1, 2], dtype=torch.int8))
+    like_cpu(lambda x: x + 300, torch.tensor([1, -2], dtype=torch.int8))
+    like_cpu(lambda x: x * 300, torch.tensor([1, 2], dtype=torch.uint8))
+    like_cpu(lambda x: x.add_(-129), torch.tensor([1, 2], dtype=torch.int8))
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
@@ -87,7 +65,7 @@ def test_complex_division_near_the_range_limits(dtype):
                        dtype=dtype)
     den = torch.tensor([complex(-big, -big), complex(big, big), complex(tiny, tiny), complex(0, tiny),
                         complex(tiny, tiny), complex(float("inf"), float("inf"))], dtype=dtype)
-    _like_cpu(torch.div, num, den)
+    like_cpu(torch.div, num, den)
 
 
 def test_in_place_twins_match_by_signature():
@@ -95,12 +73,12 @@ def test_in_place_twins_match_by_signature():
     (a Tensor to a Scalar power, with its negative-integer check) is not ``pow.Scalar`` (a
     Scalar to a Tensor power), nor ``polygamma_(self, n)`` ``polygamma(n, self)``."""
     ints = torch.tensor([2, 3], dtype=torch.int32)
-    _like_cpu(lambda t: t.pow_(-2), ints)
-    _like_cpu(lambda t, o: torch.pow(t, -2, out=o), ints, torch.empty(2, dtype=torch.int32))
-    _like_cpu(lambda t: t.pow_(2), ints)
-    _like_cpu(lambda t: t.pow_(t), ints)
-    _like_cpu(lambda t: t.polygamma_(1), torch.tensor([0.5, 1.5]))
-    _like_cpu(lambda t, d: t.floor_divide_(d), torch.tensor([7.0, -9.0]), torch.tensor([2.0, 4.0]))
+    like_cpu(lambda t: t.pow_(-2), ints)
+    like_cpu(lambda t, o: torch.pow(t, -2, out=o), ints, torch.empty(2, dtype=torch.int32))
+    like_cpu(lambda t: t.pow_(2), ints)
+    like_cpu(lambda t: t.pow_(t), ints)
+    like_cpu(lambda t: t.polygamma_(1), torch.tensor([0.5, 1.5]))
+    like_cpu(lambda t, d: t.floor_divide_(d), torch.tensor([7.0, -9.0]), torch.tensor([2.0, 4.0]))
 
 
 def test_out_of_another_shape_warns_once_per_call():
@@ -126,11 +104,11 @@ def test_complex_power_whose_real_part_underflows():
                      dtype=torch.complex128)
     b = torch.tensor([complex(1e9, -2e9), complex(-3e8, 4e8), complex(2, 0), complex(0.5, 0.2)],
                      dtype=torch.complex128)
-    _like_cpu(torch.pow, a, b)
-    _like_cpu(torch.float_power, a, b)
+    like_cpu(torch.pow, a, b)
+    like_cpu(torch.float_power, a, b)
 
 
 def test_in_place_op_cannot_broadcast_self():
     for base, exp in (((), (3,)), ((2,), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1, 1)), ((2, 3), (3,))):
-        _like_cpu(lambda b, e: b.pow_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
-        _like_cpu(lambda b, e: b.add_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
+        like_cpu(lambda b, e: b.pow_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
+        like_cpu(lambda b, e: b.add_(e), torch.full(base, 2.0), torch.full(exp, 3.0))

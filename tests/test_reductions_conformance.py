@@ -9,45 +9,22 @@ import warnings
 
 import pytest
 import torch
-
-
-def _outcome(fn, *args, **kwargs):
-    """("ok", result on CPU) or (exception type, message) of ``fn(*args, **kwargs)``."""
-    try:
-        r = fn(*args, **kwargs)
-    except Exception as e:  # the comparison is the test
-        return type(e), str(e)
-    return "ok", r.cpu() if isinstance(r, torch.Tensor) else r
-
-
-def _like_cpu(fn, *args, **kwargs):
-    """``fn`` on CPU and on tpu copies of the same arguments: same values, or CPU's exception
-    type with CPU's message inside ours."""
-    moved = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]
-    kw = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    cpu = _outcome(fn, *args, **kwargs)
-    tpu = _outcome(fn, *moved, **kw)
-    if cpu[0] == "ok":
-        assert tpu[0] == "ok", tpu
-        torch.testing.assert_close(tpu[1], cpu[1], equal_nan=True)
-    else:
-        assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
-        assert cpu[1] in tpu[1]
+from conftest import like_cpu, outcome
 
 
 @pytest.mark.parametrize("op", [torch.sum, torch.nansum, torch.mean, torch.var, torch.logsumexp, torch.argmax])
 def test_more_than_64_dims(op):
     """CPU reduces at most 64 dimensions along a given dim (all of them is fine). (The tensor is
     made on the device: numpy, the way up from the host, holds at most 64 dimensions.)"""
-    cpu = _outcome(op, torch.zeros([1] * 65), dim=0)
-    tpu = _outcome(op, torch.zeros([1] * 65, device="tpu"), dim=0)
+    cpu = outcome(op, torch.zeros([1] * 65), dim=0)
+    tpu = outcome(op, torch.zeros([1] * 65, device="tpu"), dim=0)
     assert cpu[0] is RuntimeError and tpu[0] is RuntimeError and cpu[1] in tpu[1], (cpu, tpu)
 
 
 def test_nansum_over_an_empty_dim_list_reduces_everything():
     x = torch.tensor([[1.0, math.nan, 2.0], [3.0, 4.0, math.nan]])
-    _like_cpu(torch.nansum, x, dim=[])
-    _like_cpu(torch.nansum, x, dim=[], keepdim=True)
+    like_cpu(torch.nansum, x, dim=[])
+    like_cpu(torch.nansum, x, dim=[], keepdim=True)
 
 
 @pytest.mark.parametrize("op", [torch.amax, torch.amin])
@@ -55,23 +32,23 @@ def test_empty_reduced_dim_without_identity(op):
     """max and min have no identity: an empty reduced dim is CPU's IndexError, a full reduction
     of an empty tensor its RuntimeError; a non-empty reduced dim of an empty tensor is fine."""
     t = torch.zeros(0, 2, 3)
-    _like_cpu(op, t, 0)
-    _like_cpu(op, t, [0, 2])
-    _like_cpu(op, t)
-    _like_cpu(op, t, 1)
-    _like_cpu(lambda x: torch.max(x, 0).values, t)
+    like_cpu(op, t, 0)
+    like_cpu(op, t, [0, 2])
+    like_cpu(op, t)
+    like_cpu(op, t, 1)
+    like_cpu(lambda x: torch.max(x, 0).values, t)
 
 
 def test_out_of_the_wrong_dtype():
     """all/any write only bool (or uint8) outs; mode checks both outs' dtypes."""
     x = torch.ones(2, 3, dtype=torch.int8)
     for fn in (torch.all, torch.any):
-        _like_cpu(lambda a, o, f=fn: f(a, 0, out=o), x, torch.empty(3, dtype=torch.int8))
-        _like_cpu(lambda a, o, f=fn: f(a, 0, out=o), x.bool(), torch.empty(3, dtype=torch.bool))
+        like_cpu(lambda a, o, f=fn: f(a, 0, out=o), x, torch.empty(3, dtype=torch.int8))
+        like_cpu(lambda a, o, f=fn: f(a, 0, out=o), x.bool(), torch.empty(3, dtype=torch.bool))
     v = torch.ones(10, dtype=torch.uint8)
-    _like_cpu(lambda a, o, i: torch.mode(a, -1, out=(o, i))[0], v, torch.empty(0, dtype=torch.int8),
+    like_cpu(lambda a, o, i: torch.mode(a, -1, out=(o, i))[0], v, torch.empty(0, dtype=torch.int8),
               torch.empty(0, dtype=torch.long))
-    _like_cpu(lambda a, o, i: torch.mode(a, -1, out=(o, i))[0], v, torch.empty(0, dtype=torch.uint8),
+    like_cpu(lambda a, o, i: torch.mode(a, -1, out=(o, i))[0], v, torch.empty(0, dtype=torch.uint8),
               torch.empty(0, dtype=torch.int8))
 
 
@@ -79,15 +56,15 @@ def test_searchsorted_and_bucketize_checks():
     v1 = torch.arange(1, 10)
     v3 = torch.tensor([[[1, 3, 5], [2, 4, 6]], [[1, 2, 3], [4, 5, 6]]])
     b2 = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    _like_cpu(torch.searchsorted, b2, v3)
-    _like_cpu(torch.bucketize, v3, b2)
-    _like_cpu(torch.searchsorted, b2, 1)
-    _like_cpu(lambda a, b: torch.searchsorted(a, b, side="bad"), v1, v1)
-    _like_cpu(lambda a, b, o: torch.searchsorted(a, b, out=o), v1, v1, torch.empty(9))
+    like_cpu(torch.searchsorted, b2, v3)
+    like_cpu(torch.bucketize, v3, b2)
+    like_cpu(torch.searchsorted, b2, 1)
+    like_cpu(lambda a, b: torch.searchsorted(a, b, side="bad"), v1, v1)
+    like_cpu(lambda a, b, o: torch.searchsorted(a, b, out=o), v1, v1, torch.empty(9))
     seq = torch.rand(9)
-    _like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1, torch.arange(8))
-    _like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1, torch.arange(9.0))
-    _like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1.float(), torch.argsort(seq))
+    like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1, torch.arange(8))
+    like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1, torch.arange(9.0))
+    like_cpu(lambda a, b, s: torch.searchsorted(a, b, sorter=s), seq, v1.float(), torch.argsort(seq))
 
 
 def test_searchsorted_warns_of_non_contiguous_arguments():
@@ -101,19 +78,19 @@ def test_searchsorted_warns_of_non_contiguous_arguments():
 
 
 def test_histc_checks():
-    _like_cpu(lambda x: torch.histc(x, bins=-1), torch.tensor([1.0]))
-    _like_cpu(lambda x: torch.histc(x, bins=4, min=5, max=1), torch.tensor([1.0, 2.0]))
-    _like_cpu(torch.histc, torch.tensor([math.nan]))
-    _like_cpu(torch.histc, torch.tensor([1.0, 2.0, math.inf]))  # the data's range is [1, inf]
-    _like_cpu(lambda x: torch.histc(x, bins=4, max=3), torch.tensor([1.0, 2.0, math.inf]))  # a given range
+    like_cpu(lambda x: torch.histc(x, bins=-1), torch.tensor([1.0]))
+    like_cpu(lambda x: torch.histc(x, bins=4, min=5, max=1), torch.tensor([1.0, 2.0]))
+    like_cpu(torch.histc, torch.tensor([math.nan]))
+    like_cpu(torch.histc, torch.tensor([1.0, 2.0, math.inf]))  # the data's range is [1, inf]
+    like_cpu(lambda x: torch.histc(x, bins=4, max=3), torch.tensor([1.0, 2.0, math.inf]))  # a given range
 
 
 @pytest.mark.parametrize("op", [torch.argmax, torch.argmin])
 def test_argmax_of_an_empty_tensor(op):
     t = torch.zeros(2, 0, 4)
-    _like_cpu(op, t)
-    _like_cpu(op, t, 1)
-    _like_cpu(op, t, 2)
+    like_cpu(op, t)
+    like_cpu(op, t, 1)
+    like_cpu(op, t, 2)
 
 
 @pytest.mark.parametrize("op", [torch.std, torch.var, torch.var_mean, torch.std_mean])
@@ -129,8 +106,8 @@ def test_no_degrees_of_freedom_warns_each_call(op):
 
 def test_selection_along_an_empty_dim():
     t = torch.zeros(2, 0, 4)
-    _like_cpu(lambda x: torch.median(x, 1).values, t)
-    _like_cpu(lambda x: torch.nanmedian(x, 1).values, t)
-    _like_cpu(lambda x: torch.kthvalue(x, 1, 1).values, t)
-    _like_cpu(lambda x: torch.median(x, 2).values, t)
-    _like_cpu(lambda x: torch.kthvalue(torch.arange(6.0).reshape(2, 3), 2, dim=1).values, t)
+    like_cpu(lambda x: torch.median(x, 1).values, t)
+    like_cpu(lambda x: torch.nanmedian(x, 1).values, t)
+    like_cpu(lambda x: torch.kthvalue(x, 1, 1).values, t)
+    like_cpu(lambda x: torch.median(x, 2).values, t)
+    like_cpu(lambda x: torch.kthvalue(torch.arange(6.0).reshape(2, 3), 2, dim=1).values, t)
