@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, like_cpu
 from torch.utils._pytree import tree_leaves
 
 import torch_tpu
@@ -565,3 +565,24 @@ def test_gamma_and_dirichlet_sampling_on_device():
         torch.testing.assert_close(d.mean(0), torch.tensor([1.0, 2.0, 3.0]) / 6, atol=0.02, rtol=0)
         b = torch.distributions.Beta(torch.tensor(2.0, device="tpu"), torch.tensor(3.0, device="tpu")).sample((5000,))
         assert abs(b.cpu().mean().item() - 0.4) < 0.02
+
+
+@pytest.mark.parametrize("invert", [False, True])
+def test_isin_is_one_program_like_cpu(invert):
+    """``isin`` is lowered (generate() checks its stop tokens with it every token): CPU's values in
+    the common dtype of both sides, for Tensor and Scalar operands, and CPU's refusals."""
+    before = dict(torch_tpu.metrics()["decomposition_counts"])
+    cases = [
+        (torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0])),
+        (torch.tensor([[1, 5], [3, 4]]), torch.tensor([[4], [1]])),
+        (torch.tensor([1.0, float("nan")]), torch.tensor([float("nan"), 1.0])),
+        (torch.empty(0, 3, dtype=torch.long), torch.tensor([1])),
+        (torch.tensor([1, 2]), 2),
+        (2, torch.tensor([1, 2])),
+        (torch.tensor([1j]), torch.tensor([1j])),
+        (torch.tensor([True]), torch.tensor([True])),
+    ]
+    for a, b in cases:
+        like_cpu(lambda x, y: torch.isin(x, y, invert=invert), a, b)
+    assert torch_tpu.metrics()["decomposition_counts"].get("aten.isin.Tensor_Tensor", 0) == \
+        before.get("aten.isin.Tensor_Tensor", 0)

@@ -14,7 +14,8 @@ with the same lengths, gives the steady speed. Two loops are measured:
   It compiles nothing after the first tokens.
 
 Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compile``
-(``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode). Reported per
+(``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode) and
+``compile-fused`` (the same compiled forward, with generate's own ops outside it in fused mode). Reported per
 mode and loop: tokens/s (new tokens of all sequences per second), host ms per token step (process
 CPU time, every thread: on an accelerator the device work per token is tiny, so this bounds the
 speed), first-token latency (prefill and first token) and programs compiled.
@@ -31,7 +32,7 @@ import torch
 
 import torch_tpu
 
-MODES = ("cpu", "fused", "compile", "strict")
+MODES = ("cpu", "fused", "compile", "compile-fused", "strict")
 
 
 def tiny_llama(layers: int = 2, hidden: int = 128, vocab: int = 256, seed: int = 0) -> Any:
@@ -137,9 +138,9 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
     if device == "tpu":
         model = model.to("tpu")
         prompt = prompt.to("tpu")
-        if mode == "compile":
+        if mode.startswith("compile"):
             model.forward = torch.compile(model.forward, backend="tpu")
-        torch_tpu.set_eager_mode("fused" if mode == "fused" else "strict")
+        torch_tpu.set_eager_mode("fused" if mode.endswith("fused") else "strict")
     try:
         runs = []
         for _ in range(2):

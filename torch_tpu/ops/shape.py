@@ -130,6 +130,16 @@ def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None,
     return out.reshape(batch + v.shape[-1:])
 
 
+@lower(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor, meta=cpu_meta(aten.isin))
+def isin(elements, test_elements, assume_unique=False, invert=False):
+    """One program, where torch's decomposition runs a comparison, a reduction and (for big test
+    sets) a sort as separate ops: ``generate()`` calls it for its stop and EOS checks every token.
+    Both sides are compared in their common dtype, as CPU does."""
+    e, t = jnp.asarray(elements), jnp.asarray(test_elements)
+    common = jnp.result_type(e, t)
+    return jnp.isin(e.astype(common), t.astype(common).ravel(), invert=invert)
+
+
 @lower(aten.bucketize.Tensor, aten.bucketize.Scalar, meta=cpu_meta(aten.bucketize))
 def bucketize(self, boundaries, out_int32=False, right=False):
     # torch's right=False means boundaries[i-1] < x <= boundaries[i]: numpy's side='left'
