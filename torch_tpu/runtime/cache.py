@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax._src.lax.lax import _convert_element_type
 
-from torch_tpu.runtime import metrics, settle
+from torch_tpu.runtime import metrics, residency, settle
 from torch_tpu.runtime.errors import raise_named
 
 RECOMPILE_WARN = int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
@@ -294,6 +294,7 @@ def run_trace(
         return run_entry(entry, key, donate, want, args, flush_site, reason), entry
     _stats["requests"] += 1
     outputs = list(want)  # its order pairs donated inputs with the outputs that replace them
+    residency.before_compile()
     try:
         compiled, seconds = _build(key, donate, outputs, args)
     except Exception as e:
@@ -417,6 +418,7 @@ def reset_stats() -> None:
 
 
 metrics.on_reset(reset_stats)
+residency.on_evict(_entries.clear)
 
 
 def configure_persistent_cache() -> str | None:

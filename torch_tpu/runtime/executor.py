@@ -18,12 +18,13 @@ import contextlib
 import enum
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-from torch_tpu.runtime import checks, fused, metrics
+from torch_tpu.runtime import checks, fused, metrics, residency
 from torch_tpu.runtime.errors import raise_named
 
 
@@ -175,7 +176,7 @@ class Program:
     programs, since their names may not show it (a view's offset, the storage it reads).
     """
 
-    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "_jitted")
+    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "_jitted", "__weakref__")
 
     def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None,
                  key: tuple | None = None) -> None:
@@ -188,7 +189,9 @@ class Program:
         self._jitted: Callable[..., Any] | None = None
 
     def _compile_and_run(self, *inputs: Any) -> Any:
+        residency.before_compile()
         self._jitted = jax.jit(self.fn)
+        _compiled.add(self)
         t0 = time.perf_counter()
         out = self._jitted(*inputs)  # traces and compiles on first call
         metrics.count_compile(self.name, time.perf_counter() - t0)
@@ -202,6 +205,18 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program({self.name})"
+
+
+_compiled: weakref.WeakSet[Program] = weakref.WeakSet()  # the programs holding an executable
+
+
+def _drop_compiled() -> None:
+    for program in list(_compiled):
+        program._jitted = None
+    _compiled.clear()
+
+
+residency.on_evict(_drop_compiled)
 
 
 def execute(program: Program, *inputs: Any) -> Any:

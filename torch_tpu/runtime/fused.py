@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from torch_tpu.runtime import cache, settle
+from torch_tpu.runtime import cache, residency, settle
 from torch_tpu.runtime.errors import raise_named
 
 _lock = threading.RLock()  # autograd records backward ops from its own thread
@@ -34,6 +34,7 @@ _pending: list[Node] = []
 _created: list[Lazy] = []  # every placeholder of the pending trace; those still used elsewhere are its outputs
 _graphs: set[int] = set()  # the compiled graphs (by id) recorded in the pending trace
 _templates: dict[tuple, _Template] = {}  # op sequence (programs) -> the last trace that ran with it
+residency.on_evict(_templates.clear)  # a template holds its compiled entry
 MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
 
 

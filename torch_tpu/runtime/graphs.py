@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torch_tpu import _rng
-from torch_tpu.runtime import checks, executor, fused, metrics, settle
+from torch_tpu.runtime import checks, executor, fused, metrics, residency, settle
 
 _storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
@@ -362,6 +362,7 @@ class TPUGraph:
                    tuple(donate), tuple(outputs), tuple(_arg_key(x) for x in args))
         compiled = _executables.get(exe_key)
         if compiled is None:
+            residency.before_compile()  # may drop the other programs; captured graphs keep theirs
             try:
                 compiled = jax.jit(replay, donate_argnums=tuple(donate)).lower(*args).compile()
             except Exception as e:

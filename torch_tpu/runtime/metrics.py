@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torch_tpu.runtime import settle
+from torch_tpu.runtime import residency, settle
 
 _lock = threading.Lock()
 op_counts: collections.Counter[str] = collections.Counter()
@@ -73,4 +73,5 @@ def metrics() -> dict[str, Any]:
         "compile_seconds": round(sum(compile_seconds.values()), 4),
         "transfer_bytes": dict(transfer_bytes),
         "eager_graphs": dict(eager_graphs),
+        "program_evictions": residency.evictions[0],  # compiled programs dropped at the mapping bound
     }
