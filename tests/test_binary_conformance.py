@@ -1,5 +1,5 @@
 """Binary ops as CPU has them where OpInfo's samples don't look: CPU's refusals (complex operands
-of ordering ops, heaviside's mixed dtypes, add's ``alpha`` and bool operands, in-place
+of ordering ops, heaviside's mixed dtypes, add's and sub's ``alpha`` and bool operands, in-place
 results ``self`` cannot hold) with CPU's words, and Python ints outside an integer dtype."""
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ def test_heaviside_refuses_complex_and_mixed_dtypes():
     like_cpu(lambda a, b, o: torch.heaviside(a, b, out=o), ints, ints.float(), torch.empty(3, dtype=torch.long))
 
 
-def test_alpha_and_bool_operands_of_add():
+@pytest.mark.parametrize("op", [torch.add, torch.sub, torch.rsub])
+def test_alpha_and_bool_operands(op):
     i8 = torch.tensor([1, 2], dtype=torch.int8)
     b = torch.tensor([True, False])
-    like_cpu(lambda x: torch.add(x, x, alpha=True), i8)
-    like_cpu(lambda x: torch.add(x, x, alpha=1.5), i8)
-    like_cpu(lambda x: torch.add(x, x, alpha=2j), F)
-    like_cpu(lambda x: torch.add(x, x, alpha=2), i8)
-    like_cpu(torch.add, b, b)
-    like_cpu(lambda x, o: torch.add(x, x, alpha=0.5, out=o), F, torch.empty(2))
+    like_cpu(lambda x: op(x, x, alpha=True), i8)
+    like_cpu(lambda x: op(x, x, alpha=1.5), i8)
+    like_cpu(lambda x: op(x, x, alpha=2j), F)
+    like_cpu(lambda x: op(x, x, alpha=2), i8)
+    like_cpu(op, b, b)
+    like_cpu(op, b, i8)
+    like_cpu(lambda x: op(x, True), i8)
+    like_cpu(lambda x, o: op(x, x, alpha=0.5, out=o), F, torch.empty(2))
+
 
 
 def test_in_place_result_self_cannot_hold():

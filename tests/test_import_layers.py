@@ -62,3 +62,18 @@ def test_ops_modules_do_not_import_the_dispatcher(path):
         assert not (module.startswith("torch_tpu.runtime") and leaf.startswith("_")), (
             f"ops/{path.name}:{line} imports a private runtime name {module}"
         )
+
+
+def test_every_private_module_is_placed_for_dynamo():
+    """Dynamo skips the modules beneath the dispatcher (their frames run inside kernels, also
+    between graph breaks); a new private module must say which side it is on."""
+    from torch_tpu.compile.backend import _BENEATH_THE_DISPATCHER, TRACEABLE_PRIVATE
+
+    for path in sorted(PACKAGE.glob("_*.py")):
+        if path.stem == "__init__":
+            continue
+        name = f"torch_tpu.{path.stem}"
+        assert name in _BENEATH_THE_DISPATCHER or name in TRACEABLE_PRIVATE, (
+            f"{name}: add it to torch_tpu/compile/backend.py's _BENEATH_THE_DISPATCHER (kernels, metas, checks) "
+            "or TRACEABLE_PRIVATE (called by user code)"
+        )

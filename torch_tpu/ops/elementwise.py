@@ -164,15 +164,13 @@ def add(self, other, alpha=None):
     return a + b if alpha is None else a + b * al
 
 
-# no _alpha_meta for sub/rsub: with it, pca_lowrank's ``A - C`` under torch.compile recursed in
-# the meta (not yet understood), so sub keeps torch's meta kernel and its alpha/bool checks
-@lower(aten.sub.Tensor, aten.sub.Scalar)
+@lower(aten.sub.Tensor, aten.sub.Scalar, meta=_alpha_meta(aten.sub, subtracts=True))
 def sub(self, other, alpha=None):
     a, b, al = _common(self, other, alpha)
     return a - _scaled(b, al)
 
 
-@lower(aten.rsub.Tensor, aten.rsub.Scalar)
+@lower(aten.rsub.Tensor, aten.rsub.Scalar, meta=_alpha_meta(aten.rsub, subtracts=True))
 def rsub(self, other, alpha=None):
     a, b, al = _common(self, other, alpha)
     return b - _scaled(a, al)
