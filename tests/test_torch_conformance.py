@@ -159,7 +159,6 @@ def test_resize_keeps_storage_like_cpu(new):
     out = []
     for d in ("cpu", "tpu"):
         t = torch.arange(6.0, device=d)
-        st = t.untyped_storage()
         t.resize_(new)
         assert t.untyped_storage().nbytes() == max(24, 4 * math.prod(new))
         out.append((t.shape, t.stride(), t.flatten()[: min(6, t.numel())].cpu().tolist()))

@@ -17,7 +17,6 @@ import torch
 from torch_tpu import _device, _dtypes, _shape_churn
 from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
-    base_array,
     contiguous_strides,
     dense_layout,
     is_tpu,
@@ -34,7 +33,7 @@ from torch_tpu._storage import (
 from torch_tpu.ops import amp as _amp
 from torch_tpu.ops import optim as _optim
 from torch_tpu.ops._registry import kernel
-from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime import metrics
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
