@@ -177,3 +177,40 @@ def test_deterministic_fill_like_cpu():
                       torch.ones(2, dtype=dtype, device="tpu").resize_(5)[2:]):
                 assert bool(t.isnan().all() if top is None else t.eq(top).all())
     assert not torch.empty(4, device="tpu").isnan().any()  # zeros outside it
+
+
+def test_deepcopy_keeps_view_and_storage_sharing_like_cpu():
+    """A tensor, its view and its storage deep-copied together share the copied storage."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a = torch.arange(6.0, device=d)
+        view = a.view(2, 3)
+        a2, st2, v2 = copy.deepcopy([a, a.untyped_storage(), view])
+        a2.add_(1)
+        res.append((v2.cpu().tolist(), torch.tensor([], device=d).set_(st2).cpu().tolist(), a.cpu().tolist()))
+    assert res[0] == res[1]
+
+
+# ------------------------------------------------------------------- copy_, gather, scatter_add
+@pytest.mark.parametrize("dst,src", [((1,), (2, 1, 2, 1)), ((3,), (2,)), ((2, 3), (3, 2))])
+def test_copy_broadcast_errors_like_cpu(dst, src):
+    with pytest.raises(RuntimeError) as cpu_err:
+        torch.zeros(dst).copy_(torch.ones(src))
+    with pytest.raises(RuntimeError) as tpu_err:
+        torch.zeros(dst, device="tpu").copy_(torch.ones(src, device="tpu"))
+    assert str(tpu_err.value) == str(cpu_err.value)
+
+
+def test_gather_with_zero_dim_tensors_like_cpu():
+    for d in ("cpu", "tpu"):
+        one = torch.tensor([5.0], device=d)
+        assert torch.gather(one, 0, torch.zeros((), dtype=torch.int64, device=d)).shape == ()
+        assert torch.gather(one[0], 0, torch.zeros(1, dtype=torch.int64, device=d)).shape == (1,)
+
+
+def test_scatter_add_bool_is_logical_or_like_cpu():
+    idx = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
+    src = torch.ones(2, 5, dtype=torch.bool)
+    c = torch.zeros(3, 5, dtype=torch.bool).scatter_add_(0, idx, src)
+    t = torch.zeros(3, 5, dtype=torch.bool, device="tpu").scatter_add_(0, idx.to("tpu"), src.to("tpu"))
+    assert t.dtype == torch.bool and torch.equal(t.cpu(), c)

@@ -1,13 +1,14 @@
-"""How a tpu tensor reaches the host: repr, pickling, ``torch.save``/``torch.load`` and deepcopy.
+"""How a tpu tensor reaches the host: repr, pickling, ``torch.save``/``torch.load``.
 
 PyTorch's Python code special-cases devices by name in these places (``xla``, ``lazy``...), and
 otherwise assumes a storage whose bytes it can read. A tpu storage holds a jax array, not bytes,
 so the tpu device takes the lazy devices' branch: one copy to the host, then the CPU code path.
+``copy.deepcopy`` is torch's own: it copies storages (``_storage_api``), so views and storages
+deep-copied together still share, as on CPU.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -79,32 +80,9 @@ def _install_pickling() -> None:
     torch.serialization.register_package(5, tag, restore)
 
 
-def _install_deepcopy() -> None:
-    original = torch.Tensor.__deepcopy__
-
-    def __deepcopy__(self: torch.Tensor, memo: dict) -> torch.Tensor:
-        if not _is_tpu(self) or type(self) is not torch.Tensor:
-            return original(self, memo)
-        if not self.is_leaf:
-            return original(self, memo)  # raises torch's own error
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-        new.requires_grad_(self.requires_grad)
-        if self.grad is not None:
-            new.grad = copy.deepcopy(self.grad, memo)
-        new.__dict__ = copy.deepcopy(self.__dict__, memo)
-        memo[id(self)] = new
-        return new
-
-    torch.Tensor.__deepcopy__ = __deepcopy__
-
-
 def install() -> None:
     global _installed
     if not _installed:
         _install_repr()
         _install_pickling()
-        _install_deepcopy()
         _installed = True

@@ -132,6 +132,7 @@ def host_to_device(t: torch.Tensor) -> Any:
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if is_tpu(dst):
         if tuple(src.shape) != tuple(dst.shape):
+            _check_copy_broadcast(tuple(dst.shape), tuple(src.shape))
             src = src.expand(dst.shape) if not is_tpu(src) else src
         write(dst, read(src) if is_tpu(src) else host_to_device(src))
         return dst
@@ -140,6 +141,19 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     with torch.no_grad():
         dst.copy_(to_cpu(src))
     return dst
+
+
+def _check_copy_broadcast(dst: tuple[int, ...], src: tuple[int, ...]) -> None:
+    """``copy_``'s shape rule in CPU's words: ``src`` must broadcast to ``dst``'s shape."""
+    nd = max(len(dst), len(src))
+    a, b = (1,) * (nd - len(dst)) + dst, (1,) * (nd - len(src)) + src
+    for d in reversed(range(nd)):
+        if a[d] != b[d] and a[d] != 1 and b[d] != 1:
+            raise RuntimeError(f"The size of tensor a ({a[d]}) must match the size of tensor b ({b[d]}) "
+                               f"at non-singleton dimension {d}")
+    full = tuple(max(x, y) if min(x, y) != 0 else 0 for x, y in zip(a, b))
+    if full != dst:
+        raise RuntimeError(f"output with shape {list(dst)} doesn't match the broadcast shape {list(full)}")
 
 
 @kernel(aten._copy_from_and_resize.default, fusable=True)

@@ -32,6 +32,7 @@ _cpp_new = torch._C.StorageBase.__new__
 _cpp_copy = torch._C.StorageBase.copy_
 _cpp_fill = torch._C.StorageBase.fill_
 _cpp_getitem = torch.UntypedStorage.__getitem__
+_synced_clone: Any = None
 
 
 def _logical_nbytes(st: Any) -> int:
@@ -116,6 +117,19 @@ def _fill_(self: Any, value: Any) -> Any:
     return self
 
 
+def _clone(self: Any) -> Any:
+    """``UntypedStorage.clone``: a tpu storage's copy keeps its element type (a typed tensor over
+    it reads at full speed, with no byte reinterpretation); its array is copied, never shared (a
+    fused program may donate the original's buffer)."""
+    if self.device.type != "tpu" or getattr(self, "_dtype", None) is None or getattr(self, "_raw", None) is not None:
+        return _synced_clone(self)
+    whole = torch.empty(0, dtype=self._dtype, device=self.device).set_(self)
+    t = whole.clone()
+    st = t.untyped_storage()
+    st._t = t
+    return sync_nbytes(st)
+
+
 def _getitem(self: Any, idx: Any) -> Any:
     """``storage[i]`` reads a byte; ``storage[a:b]`` of a tpu storage is a new storage holding a
     copy of those bytes (CPU's shares them: a tpu storage has no pointer to offset)."""
@@ -146,9 +160,12 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    global _synced_clone
     for name in ("nbytes", "size", "__len__", "__setitem__", "tolist", "clone", "cpu",
                  "_write_file", "__iter__"):
         _wrap_synced(name)
+    _synced_clone = torch.UntypedStorage.clone
+    torch.UntypedStorage.clone = _clone
     torch.UntypedStorage.copy_ = _copy_
     torch.UntypedStorage.fill_ = _fill_
     torch.UntypedStorage.__getitem__ = _getitem
