@@ -214,3 +214,14 @@ def test_scatter_add_bool_is_logical_or_like_cpu():
     c = torch.zeros(3, 5, dtype=torch.bool).scatter_add_(0, idx, src)
     t = torch.zeros(3, 5, dtype=torch.bool, device="tpu").scatter_add_(0, idx.to("tpu"), src.to("tpu"))
     assert t.dtype == torch.bool and torch.equal(t.cpu(), c)
+
+
+def test_is_set_to_like_cpu():
+    """``is_set_to`` compares storage, offset, sizes and strides (it used to compare CPU copies)."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a = torch.empty(3, 4, device=d)
+        b = torch.tensor([], device=d).set_(a)
+        res.append((a.is_set_to(b), b.is_set_to(a), a.is_set_to(torch.empty(3, 4, device=d)),
+                    a.is_set_to(a.view(4, 3)), a.is_set_to(a[:])))
+    assert res[0] == res[1] == (True, True, False, False, True)

@@ -417,6 +417,16 @@ def _set_tensor(t, source):
     return _set_storage(t, source.untyped_storage(), source.storage_offset(), list(source.shape), list(source.stride()))
 
 
+@kernel(aten.is_set_to.default)
+def _is_set_to(t, other):
+    """CPU's rule: the same storage, offset, sizes and strides (the CPU fallback compared copies)."""
+    if not is_tpu(other):
+        return False
+    return (t.untyped_storage()._cdata == other.untyped_storage()._cdata
+            and t.storage_offset() == other.storage_offset()
+            and tuple(t.shape) == tuple(other.shape) and tuple(t.stride()) == tuple(other.stride()))
+
+
 @kernel(aten.set_.default, fusable=True)
 def _set_empty(t):
     set_base(t, (0,), t.dtype, None)
