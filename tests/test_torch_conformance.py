@@ -225,3 +225,14 @@ def test_is_set_to_like_cpu():
         res.append((a.is_set_to(b), b.is_set_to(a), a.is_set_to(torch.empty(3, 4, device=d)),
                     a.is_set_to(a.view(4, 3)), a.is_set_to(a[:])))
     assert res[0] == res[1] == (True, True, False, False, True)
+
+
+def test_map_and_map2_like_cpu():
+    """``map_``/``map2_`` (a Python callable per element) run on a host copy of a tpu tensor."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a, b, c = (torch.arange(6.0, device=d).reshape(2, 3) * k for k in (1, 2, 3))
+        a.map_(b[0], lambda x, y: x + y)
+        a.map2_(b, c, lambda x, y, z: x * y - z)
+        res.append(a.cpu())
+    assert res[1].dtype == res[0].dtype and torch.equal(res[1], res[0])

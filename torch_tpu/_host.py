@@ -80,9 +80,37 @@ def _install_pickling() -> None:
     torch.serialization.register_package(5, tag, restore)
 
 
+def _install_map() -> None:
+    """``Tensor.map_``/``map2_`` call a Python function per element, which torch runs on CPU
+    tensors only: a tpu tensor is mapped on a host copy and written back (one round trip)."""
+    cpu_map, cpu_map2 = torch.Tensor.map_, torch.Tensor.map2_
+
+    def map_(self: torch.Tensor, other: torch.Tensor, callable: Any) -> torch.Tensor:
+        if not (_is_tpu(self) or _is_tpu(other)):
+            return cpu_map(self, other, callable)
+        host = self.detach().cpu()
+        cpu_map(host, other.detach().cpu(), callable)
+        with torch.no_grad():
+            self.copy_(host)
+        return self
+
+    def map2_(self: torch.Tensor, x: torch.Tensor, y: torch.Tensor, callable: Any) -> torch.Tensor:
+        if not (_is_tpu(self) or _is_tpu(x) or _is_tpu(y)):
+            return cpu_map2(self, x, y, callable)
+        host = self.detach().cpu()
+        cpu_map2(host, x.detach().cpu(), y.detach().cpu(), callable)
+        with torch.no_grad():
+            self.copy_(host)
+        return self
+
+    map_.__doc__, map2_.__doc__ = cpu_map.__doc__, cpu_map2.__doc__
+    torch.Tensor.map_, torch.Tensor.map2_ = map_, map2_
+
+
 def install() -> None:
     global _installed
     if not _installed:
         _install_repr()
         _install_pickling()
+        _install_map()
         _installed = True
