@@ -236,3 +236,16 @@ def test_map_and_map2_like_cpu():
         a.map2_(b, c, lambda x, y, z: x * y - z)
         res.append(a.cpu())
     assert res[1].dtype == res[0].dtype and torch.equal(res[1], res[0])
+
+
+def test_gradcheck_through_sparse_constructor_with_empty_dims():
+    """gradcheck of a function building a sparse tensor from values with a zero-size dim, and of
+    one with no sparse dims (``sparse_mask`` at the single position), as on CPU."""
+    for size, sd, nnz in (([1, 0, 2], 0, 5), ([2, 1, 1, 0, 2], 2, 5), ([1, 2], 0, 3)):
+        v = torch.randn([nnz] + size[sd:], dtype=torch.float64, device="tpu", requires_grad=True)
+        idx = torch.zeros(sd, nnz, dtype=torch.long, device="tpu")
+
+        def fn(values, idx=idx, size=size):
+            return torch.sparse_coo_tensor(idx, values, size).coalesce().values().tanh()
+
+        assert torch.autograd.gradcheck(fn, (v,), check_batched_grad=False)

@@ -245,6 +245,8 @@ def _sparse_values_at(self: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out_shape = (idx.shape[1], *svals.shape[1:])
     if sidx.shape[1] == 0 or idx.shape[1] == 0:
         return svals.new_zeros(out_shape)
+    if self.sparse_dim() == 0:  # one position, which coalesced ``self`` holds: every column reads it
+        return svals[:1].expand(out_shape).clone()
     size = tuple(self.shape[: self.sparse_dim()])
     have, want = _linear_index(sidx, size), _linear_index(idx, size)
     pos = torch.searchsorted(have, want).clamp_(max=have.shape[0] - 1)
