@@ -34,13 +34,14 @@ from torch_tpu import _module_move  # noqa: E402
 
 _module_move.install()
 
-from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse, ops  # noqa: E402,F401
+from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse, _storage_api, ops  # noqa: E402,F401
 
 _dispatch.register_table()
 _sparse.register()
 _torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
 _fallback.register()
 _host.install()
+_storage_api.install()
 _autocast.install()
 
 from torch_tpu._device import platform  # noqa: E402

@@ -1,13 +1,14 @@
-"""How a tpu tensor reaches the host: repr, pickling, ``torch.save``/``torch.load`` and deepcopy.
+"""How a tpu tensor reaches the host: repr, pickling, ``torch.save``/``torch.load``.
 
 PyTorch's Python code special-cases devices by name in these places (``xla``, ``lazy``...), and
 otherwise assumes a storage whose bytes it can read. A tpu storage holds a jax array, not bytes,
 so the tpu device takes the lazy devices' branch: one copy to the host, then the CPU code path.
+``copy.deepcopy`` is torch's own: it copies storages (``_storage_api``), so views and storages
+deep-copied together still share, as on CPU.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -79,26 +80,31 @@ def _install_pickling() -> None:
     torch.serialization.register_package(5, tag, restore)
 
 
-def _install_deepcopy() -> None:
-    original = torch.Tensor.__deepcopy__
+def _install_map() -> None:
+    """``Tensor.map_``/``map2_`` call a Python function per element, which torch runs on CPU
+    tensors only: a tpu tensor is mapped on a host copy and written back (one round trip)."""
+    cpu_map, cpu_map2 = torch.Tensor.map_, torch.Tensor.map2_
 
-    def __deepcopy__(self: torch.Tensor, memo: dict) -> torch.Tensor:
-        if not _is_tpu(self) or type(self) is not torch.Tensor:
-            return original(self, memo)
-        if not self.is_leaf:
-            return original(self, memo)  # raises torch's own error
-        if id(self) in memo:
-            return memo[id(self)]
+    def map_(self: torch.Tensor, other: torch.Tensor, callable: Any) -> torch.Tensor:
+        if not (_is_tpu(self) or _is_tpu(other)):
+            return cpu_map(self, other, callable)
+        host = self.detach().cpu()
+        cpu_map(host, other.detach().cpu(), callable)
         with torch.no_grad():
-            new = self.clone()
-        new.requires_grad_(self.requires_grad)
-        if self.grad is not None:
-            new.grad = copy.deepcopy(self.grad, memo)
-        new.__dict__ = copy.deepcopy(self.__dict__, memo)
-        memo[id(self)] = new
-        return new
+            self.copy_(host)
+        return self
 
-    torch.Tensor.__deepcopy__ = __deepcopy__
+    def map2_(self: torch.Tensor, x: torch.Tensor, y: torch.Tensor, callable: Any) -> torch.Tensor:
+        if not (_is_tpu(self) or _is_tpu(x) or _is_tpu(y)):
+            return cpu_map2(self, x, y, callable)
+        host = self.detach().cpu()
+        cpu_map2(host, x.detach().cpu(), y.detach().cpu(), callable)
+        with torch.no_grad():
+            self.copy_(host)
+        return self
+
+    map_.__doc__, map2_.__doc__ = cpu_map.__doc__, cpu_map2.__doc__
+    torch.Tensor.map_, torch.Tensor.map2_ = map_, map2_
 
 
 def install() -> None:
@@ -106,5 +112,5 @@ def install() -> None:
     if not _installed:
         _install_repr()
         _install_pickling()
-        _install_deepcopy()
+        _install_map()
         _installed = True

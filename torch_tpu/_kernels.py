@@ -17,7 +17,6 @@ import torch
 from torch_tpu import _device, _dtypes, _shape_churn
 from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
-    base_array,
     contiguous_strides,
     dense_layout,
     is_tpu,
@@ -34,7 +33,7 @@ from torch_tpu._storage import (
 from torch_tpu.ops import amp as _amp
 from torch_tpu.ops import optim as _optim
 from torch_tpu.ops._registry import kernel
-from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime import metrics
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
@@ -61,9 +60,11 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     shape = _check_size("empty", size)
     dtype = dtype or torch.get_default_dtype()
     if memory_format in (None, torch.contiguous_format, torch.preserve_format):
-        return new_tensor(shape, dtype)
-    stride = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())  # raises as CPU
-    return _strided(shape, stride, dtype)
+        t = new_tensor(shape, dtype)
+    else:
+        stride = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())  # raises as CPU
+        t = _strided(shape, stride, dtype)
+    return t.fill_(_fill_value(dtype)) if _deterministic_fill() else t
 
 
 @kernel(aten.empty_strided.default, fusable=True)
@@ -71,7 +72,9 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     """Dense strides (channels_last, a permutation: what empty_like and autograd's gradient layout
     ask for) are kept; an overlapping or gapped layout is made contiguous (XLA arrays are dense)."""
     _check_device(device)
-    return _strided(_check_size("empty_strided", size), tuple(stride), dtype or torch.get_default_dtype())
+    dtype = dtype or torch.get_default_dtype()
+    t = _strided(_check_size("empty_strided", size), tuple(stride), dtype)
+    return t.fill_(_fill_value(dtype)) if _deterministic_fill() else t
 
 
 def _strided(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +132,7 @@ def host_to_device(t: torch.Tensor) -> Any:
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if is_tpu(dst):
         if tuple(src.shape) != tuple(dst.shape):
+            _check_copy_broadcast(tuple(dst.shape), tuple(src.shape))
             src = src.expand(dst.shape) if not is_tpu(src) else src
         write(dst, read(src) if is_tpu(src) else host_to_device(src))
         return dst
@@ -137,6 +141,19 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     with torch.no_grad():
         dst.copy_(to_cpu(src))
     return dst
+
+
+def _check_copy_broadcast(dst: tuple[int, ...], src: tuple[int, ...]) -> None:
+    """``copy_``'s shape rule in CPU's words: ``src`` must broadcast to ``dst``'s shape."""
+    nd = max(len(dst), len(src))
+    a, b = (1,) * (nd - len(dst)) + dst, (1,) * (nd - len(src)) + src
+    for d in reversed(range(nd)):
+        if a[d] != b[d] and a[d] != 1 and b[d] != 1:
+            raise RuntimeError(f"The size of tensor a ({a[d]}) must match the size of tensor b ({b[d]}) "
+                               f"at non-singleton dimension {d}")
+    full = tuple(max(x, y) if min(x, y) != 0 else 0 for x, y in zip(a, b))
+    if full != dst:
+        raise RuntimeError(f"output with shape {list(dst)} doesn't match the broadcast shape {list(full)}")
 
 
 @kernel(aten._copy_from_and_resize.default, fusable=True)
@@ -313,19 +330,51 @@ _VIEW_DTYPE_KEY = view_dispatch_key(aten.view.dtype)
 # --------------------------------------------------------------------------- storage surgery
 @kernel(aten.resize_.default)
 def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
+    """CPU's ``resize_``: the same storage, grown (never shrunk) to hold the new size at the same
+    offset, its bytes kept; the tensor becomes contiguous (or ``memory_format``) over it. New
+    elements are zeros, or NaN / the largest integer under ``torch.use_deterministic_algorithms``
+    (CPU's ``fill_uninitialized_memory``)."""
     shape = _check_size("resize_", size)
     if tuple(t.shape) == shape:
         return t
     st = t.untyped_storage()
-    n = math.prod(shape)
-    old = fused.concrete(base_array(st)).reshape(-1)
-    if t.storage_offset() == 0 and n <= old.size and t.is_contiguous():
-        value = old[:n].reshape(shape)  # shrinking keeps the leading elements, as on CPU
-    else:
+    _storage_value(st, t.dtype)
+    if st._dtype is not None and st._dtype != t.dtype:  # a view(dtype) alias: rebuild it contiguous
         flat = read_array(t).reshape(-1)
+        n = math.prod(shape)
         value = jnp.zeros(n, flat.dtype).at[: min(n, flat.size)].set(flat[: min(n, flat.size)]).reshape(shape)
-    set_base(t, shape, t.dtype, value)
+        set_base(t, shape, t.dtype, value)
+        return t
+    have = math.prod(st._shape) if st._dtype is not None else 0
+    need = t.storage_offset() + math.prod(shape)
+    if need > have:
+        from torch_tpu._storage import resize_storage
+
+        resize_storage(st, need * t.element_size())
+        if _deterministic_fill():
+            tail = torch.empty(0, dtype=t.dtype, device=t.device)
+            aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, tail, st, have, [need - have], [1])
+            tail.fill_(_fill_value(t.dtype))
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        stride = contiguous_strides(shape)
+    else:
+        stride = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())
+    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, st, t.storage_offset(), list(shape), list(stride))
     return t
+
+
+def _deterministic_fill() -> bool:
+    """Whether new memory is filled (``torch.use_deterministic_algorithms(True)`` with
+    ``torch.utils.deterministic.fill_uninitialized_memory``, as CPU and CUDA do)."""
+    return torch.are_deterministic_algorithms_enabled() and torch._C._get_deterministic_fill_uninitialized_memory()
+
+
+def _fill_value(dtype: torch.dtype) -> Any:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max
 
 
 def _storage_value(st: Any, dtype: torch.dtype) -> Any:
@@ -346,9 +395,9 @@ def _storage_value(st: Any, dtype: torch.dtype) -> Any:
 
 @kernel(aten.set_.source_Storage_storage_offset, fusable=True)
 def _set_storage(t, source, storage_offset, size, stride=()):
-    st = _storage_value(source, t.dtype)
-    if st._dtype != t.dtype:
-        raise RuntimeError(f"set_: storage holds {st._dtype}, tensor is {t.dtype}")
+    _storage_value(source, t.dtype)
+    # a storage holding another dtype is fine: reads and writes reinterpret its bits, as a
+    # view(dtype) does (torch's storage API reads a storage through a uint8 tensor set_ onto it)
     stride = list(stride) if len(stride) else list(contiguous_strides(tuple(size)))
     aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, source, storage_offset, list(size), stride)
     return t
@@ -357,7 +406,8 @@ def _set_storage(t, source, storage_offset, size, stride=()):
 @kernel(aten.set_.source_Storage, fusable=True)
 def _set_storage_whole(t, source):
     st = _storage_value(source, t.dtype)
-    return _set_storage(t, source, 0, [math.prod(st._shape)], [1])
+    nbytes = math.prod(st._shape) * st._dtype.itemsize if st._dtype is not None else 0
+    return _set_storage(t, source, 0, [nbytes // t.element_size()], [1])
 
 
 @kernel(aten.set_.source_Tensor, fusable=True)
@@ -365,6 +415,16 @@ def _set_tensor(t, source):
     if not is_tpu(source):
         raise device_mismatch("aten.set_", source.device)
     return _set_storage(t, source.untyped_storage(), source.storage_offset(), list(source.shape), list(source.stride()))
+
+
+@kernel(aten.is_set_to.default)
+def _is_set_to(t, other):
+    """CPU's rule: the same storage, offset, sizes and strides (the CPU fallback compared copies)."""
+    if not is_tpu(other):
+        return False
+    return (t.untyped_storage()._cdata == other.untyped_storage()._cdata
+            and t.storage_offset() == other.storage_offset()
+            and tuple(t.shape) == tuple(other.shape) and tuple(t.stride()) == tuple(other.stride()))
 
 
 @kernel(aten.set_.default, fusable=True)

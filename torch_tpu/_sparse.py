@@ -228,6 +228,13 @@ def _sparse_mask(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return make_sparse(sd, dd, self.shape, idx.clone(), vals, mask.is_coalesced())
 
 
+def _sparse_mask_projection(self: torch.Tensor, mask: torch.Tensor, accumulate_matches: bool = False) -> torch.Tensor:
+    """Sparse ``self`` read at ``mask``'s indices: ``sparse_mask``'s backward. Duplicate indices of
+    ``self`` are summed (``self`` is coalesced first), which is CPU's ``accumulate_matches=True``
+    and the same result for the coalesced gradients autograd passes."""
+    return _sparse_mask(self, mask)
+
+
 def _sparse_values_at(self: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The (summed) values of sparse ``self`` at each index column of ``idx``, zero where it has
     none: a binary search of the mask's linear indices among ``self``'s sorted ones."""
@@ -238,6 +245,8 @@ def _sparse_values_at(self: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out_shape = (idx.shape[1], *svals.shape[1:])
     if sidx.shape[1] == 0 or idx.shape[1] == 0:
         return svals.new_zeros(out_shape)
+    if self.sparse_dim() == 0:  # one position, which coalesced ``self`` holds: every column reads it
+        return svals[:1].expand(out_shape).clone()
     size = tuple(self.shape[: self.sparse_dim()])
     have, want = _linear_index(sidx, size), _linear_index(idx, size)
     pos = torch.searchsorted(have, want).clamp_(max=have.shape[0] - 1)
@@ -269,6 +278,41 @@ def _values_op(name: str, fn: Callable[..., torch.Tensor], inplace: bool, commut
         return make_sparse(sd, dd, self.shape, idx.clone(), new_vals, self.is_coalesced())
 
     return run
+
+
+# ------------------------------------------------------------------------- dense -> sparse (PrivateUse1)
+def _dense_to_sparse(self: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    """``to_sparse(sparse_dim)`` of a dense tpu tensor, as CPU's: one entry per position of the
+    first ``sparse_dim`` dims whose slice holds a non-zero (NaN counts), sorted, so coalesced.
+    ``nonzero`` tells the host the count (a sync), as CPU's kernel learns it."""
+    nd = self.dim()
+    if not 0 <= sparse_dim <= nd:
+        raise RuntimeError(f"dense_to_sparse: sparse_dim argument must be in [0,{nd}] range, but {sparse_dim} is given")
+    if nd > 0 and sparse_dim == 0:
+        raise RuntimeError("dense_to_sparse: sparse_dim argument must be in >0 when self.dim()>0")
+    mask = self != 0
+    if sparse_dim < nd:
+        mask = mask.flatten(sparse_dim).any(-1)
+    pos = mask.nonzero()  # nnz x sparse_dim
+    if nd == 0:
+        nnz = pos.shape[0]
+        return make_sparse(0, 0, (), pos.t().contiguous(), self.reshape(1)[:nnz].clone(), True)
+    idx = pos.t().contiguous()
+    vals = self[tuple(idx.unbind(0))]
+    return make_sparse(sparse_dim, nd - sparse_dim, self.shape, idx, vals, True)
+
+
+def _to_sparse_sparse_dim(self: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    return _dense_to_sparse(self, sparse_dim)
+
+
+def _to_sparse(self: torch.Tensor, *, layout: Any = None, blocksize: Any = None,
+               dense_dim: int | None = None) -> torch.Tensor:
+    if layout not in (None, torch.sparse_coo):
+        raise _unsupported(f"to_sparse(layout={layout})")
+    if blocksize is not None:
+        raise RuntimeError("to_sparse for Strided to SparseCoo conversion does not use specified blocksize")
+    return _dense_to_sparse(self, self.dim() - (dense_dim or 0))
 
 
 # ------------------------------------------------------------------------------------ fallback
@@ -312,6 +356,7 @@ def register() -> None:
         aten.sub.Tensor: (_sub, "tpu"),
         aten.sub_.Tensor: (_sub_, "tpu"),
         aten.sparse_mask.default: (_sparse_mask, "tpu"),
+        aten._sparse_mask_projection.default: (_sparse_mask_projection, "tpu"),
         aten.neg.default: (_values_op("neg", torch.neg, False), "tpu"),
         aten.neg_.default: (_values_op("neg_", torch.neg, True), "tpu"),
         aten.mul.Tensor: (_values_op("mul.Tensor", torch.mul, False, commutes=True), "tpu"),
@@ -322,5 +367,8 @@ def register() -> None:
     for op, (fn, how) in kernels.items():
         _lib.impl(op.name().split("::", 1)[1], fn, "SparsePrivateUse1")
         IMPLEMENTED[str(op)] = how
+    # dense -> sparse takes a dense tpu tensor, so it dispatches to PrivateUse1, not the sparse key
+    _lib.impl("_to_sparse.sparse_dim", _to_sparse_sparse_dim, "PrivateUse1")
+    _lib.impl("_to_sparse", _to_sparse, "PrivateUse1")
     _fallback_lib = torch.library.Library("_", "IMPL")
     _fallback_lib.fallback(_fallback, "SparsePrivateUse1")

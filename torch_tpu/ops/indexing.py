@@ -321,9 +321,10 @@ def gather(self, dim, index, sparse_grad=False):
     if self.ndim == 0:
         return self.reshape(index.shape)
     d = _dim(dim, self.ndim)
+    shape = index.shape  # a 0-dim index gathers one element (CPU treats it as 1-d), result 0-dim
     index = _as_1d(index)
     cut = tuple(slice(None) if k == d else slice(0, n) for k, n in enumerate(index.shape))
-    return jnp.take_along_axis(self[cut], index, axis=d).reshape(index.shape)
+    return jnp.take_along_axis(self[cut], index, axis=d).reshape(shape)
 
 
 def _check_scatter(self, dim, index, *args, **kwargs):
@@ -342,6 +343,8 @@ def _scatter_with(self, dim, index, src, reduce: str | None, include_self: bool 
     src = _fit(_as_1d(src), index.shape) if jnp.ndim(src) else jnp.broadcast_to(src, index.shape)
     if reduce is None:
         out = x.at[key].set(src.astype(x.dtype))
+    elif x.dtype == jnp.bool_ and reduce in ("add", "sum"):  # bool addition is logical or, as on CPU
+        out = x.astype(jnp.int32).at[key].add(src.astype(jnp.int32)) != 0
     else:
         out = _reduce_into(x, key, src, reduce, include_self)
     return out.reshape(shape)

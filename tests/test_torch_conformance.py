@@ -1,0 +1,251 @@
+"""Behaviour that PyTorch's test_torch and test_autograd device-type tests found different from CPU.
+
+Each test checks tpu against CPU on the same inputs: the storage API (sizes, bytes, new storages,
+copies), strides of tensors with a zero-size dim, and dense -> sparse conversion with its backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu  # noqa: F401
+
+warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+
+
+def _both(fn):
+    return fn("cpu"), fn("tpu")
+
+
+# ------------------------------------------------------------------- strides of empty tensors
+@pytest.mark.parametrize("shape", [(5, 1, 0, 2), (0, 3), (2, 0), (3, 0, 4)])
+def test_zero_size_dim_strides_match_cpu(shape):
+    """A size-0 dim counts as 1 in the strides of the dims before it, as on CPU (gradcheck refuses
+    an input with a stride-0 dim of size > 1, so (5, 1, 0, 2) with strides (0, 0, 2, 1) failed)."""
+    cpu, tpu = _both(lambda d: torch.empty(shape, device=d))
+    assert tpu.stride() == cpu.stride()
+    assert torch.zeros(shape, device="tpu").stride() == cpu.stride()
+    assert torch.randn(shape).to("tpu").stride() == cpu.stride()
+    assert tpu.is_contiguous()
+
+
+def test_gradcheck_accepts_empty_tpu_input():
+    x = torch.randn(5, 1, 0, 2, dtype=torch.float64, device="tpu", requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: t * 2, (x,))
+
+
+# ----------------------------------------------------------------------- the storage API
+def test_storage_sizes_and_elements_match_cpu():
+    c = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = c.to("tpu")
+    assert t.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 48
+    assert t.storage().size() == len(t.storage()) == 12
+    assert t.storage()[7] == c.storage()[7] == 7.0
+    assert t[1:].storage().size() == 12  # a view's storage is its base's
+    assert t.storage().tolist() == c.storage().tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32, torch.float64, torch.bool, torch.complex64])
+def test_untyped_storage_bytes_match_cpu(dtype):
+    """An untyped storage reads as the array's bytes, in memory order, as CPU's does."""
+    c = torch.tensor([1, 0, 3], dtype=dtype) if dtype != torch.bool else torch.tensor([True, False, True])
+    t = c.to("tpu")
+    assert t.untyped_storage().tolist() == c.untyped_storage().tolist()
+    assert list(t.untyped_storage()[1:3]) == list(c.untyped_storage()[1:3])
+
+
+def test_untyped_storage_write_reaches_tensor():
+    c, t = _both(lambda d: torch.zeros(2, dtype=torch.int16, device=d))
+    for x in (c, t):
+        x.untyped_storage()[0] = 7
+        x.untyped_storage()[3] = 1
+    assert t.tolist() == c.tolist() == [7, 256]
+
+
+def test_new_tpu_storage_like_cpu():
+    """``UntypedStorage(n | bytes, device="tpu")`` (and TypedStorage on top) used to crash in C++."""
+    s = torch.UntypedStorage(8, device="tpu")
+    assert (s.device.type, s.nbytes()) == ("tpu", 8)
+    assert torch.UntypedStorage(device="tpu").nbytes() == 0
+    s = torch.UntypedStorage([1, 2, 255], device="tpu")
+    assert s.tolist() == [1, 2, 255]
+    ts = torch.TypedStorage([1.5, 2.5], dtype=torch.float32, device="tpu")
+    assert (ts.size(), ts[1]) == (2, 2.5)
+    assert torch.TypedStorage(3, dtype=torch.float64, device="tpu").nbytes() == 24
+
+
+def test_storage_clone_copy_fill_like_cpu():
+    c = torch.arange(4, dtype=torch.int32)
+    t = c.to("tpu")
+    for x in (c, t):
+        st = x.untyped_storage()
+        dup = st.clone()
+        assert dup.device == x.device and dup.tolist() == st.tolist()
+        st.fill_(1)  # every byte
+    assert t.tolist() == c.tolist() == [0x01010101] * 4
+    back = t.untyped_storage().cpu()
+    assert back.device.type == "cpu" and back.tolist() == c.untyped_storage().tolist()
+    dst = torch.zeros(4, dtype=torch.int32, device="tpu")
+    dst.untyped_storage().copy_(torch.arange(4, dtype=torch.int32).untyped_storage())
+    assert dst.tolist() == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="size does not match"):
+        dst.untyped_storage().copy_(torch.zeros(3, device="tpu").untyped_storage())
+
+
+def test_storage_meta_twin_has_same_size():
+    t = torch.randn(4, 5, device="tpu")
+    assert t.to("meta").untyped_storage().nbytes() == t.untyped_storage().nbytes() == 80
+
+
+def test_deepcopy_of_storages():
+    t = torch.arange(6.0, device="tpu")
+    a, s = copy.deepcopy([t, t.storage()])
+    assert a.tolist() == t.tolist() and s.tolist() == t.storage().tolist()
+
+
+# ------------------------------------------------------------------------ dense -> sparse
+@pytest.mark.parametrize("sparse_dim", [1, 2])
+def test_to_sparse_matches_cpu(sparse_dim):
+    c = torch.tensor([[0.0, 1.0], [0.0, 0.0], [2.0, float("nan")]])
+    cs, ts = c.to_sparse(sparse_dim), c.to("tpu").to_sparse(sparse_dim)
+    assert ts.device.type == "tpu" and ts.is_coalesced()
+    torch.testing.assert_close(ts._indices().cpu(), cs._indices())
+    torch.testing.assert_close(ts._values().cpu(), cs._values(), equal_nan=True)
+
+
+@pytest.mark.parametrize("x", [torch.tensor(3.0), torch.tensor(0.0), torch.zeros(2, 3), torch.zeros(0, 3)])
+def test_to_sparse_degenerate_inputs_match_cpu(x):
+    cs, ts = x.to_sparse(), x.to("tpu").to_sparse()
+    assert ts._indices().shape == cs._indices().shape and ts._values().shape == cs._values().shape
+
+
+@pytest.mark.parametrize("bad", [3, 0, -1])
+def test_to_sparse_bad_sparse_dim_errors_like_cpu(bad):
+    x = torch.ones(3, 2)
+    with pytest.raises(RuntimeError) as cpu_err:
+        x.to_sparse(bad)
+    with pytest.raises(RuntimeError) as tpu_err:
+        x.to("tpu").to_sparse(bad)
+    assert str(tpu_err.value) == str(cpu_err.value)
+
+
+def test_sparse_mask_backward_like_cpu():
+    grads = []
+    for d in ("cpu", "tpu"):
+        x = torch.arange(3.0, device=d, requires_grad=True)
+        mask = torch.tensor([1.0, 0.0, 1.0], device=d).to_sparse()
+        x.sparse_mask(mask).to_dense().sum().backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_storage_slice_reads_like_cpu():
+    """``storage[a:b]`` of a tpu storage is a copy of those bytes (CPU's shares them)."""
+    c = torch.arange(6, dtype=torch.int16)
+    t = c.to("tpu")
+    assert t.untyped_storage()[2:6].tolist() == c.untyped_storage()[2:6].tolist()
+    assert t.untyped_storage()[5:2].nbytes() == 0
+
+
+# --------------------------------------------------------------------------------- resize_
+@pytest.mark.parametrize("new", [(3,), (8,), (2, 5)])
+def test_resize_keeps_storage_like_cpu(new):
+    """``resize_`` keeps the storage (grown, never shrunk) and its leading bytes, as on CPU."""
+    out = []
+    for d in ("cpu", "tpu"):
+        t = torch.arange(6.0, device=d)
+        t.resize_(new)
+        assert t.untyped_storage().nbytes() == max(24, 4 * math.prod(new))
+        out.append((t.shape, t.stride(), t.flatten()[: min(6, t.numel())].cpu().tolist()))
+    assert out[0] == out[1]
+
+
+def test_deterministic_fill_like_cpu():
+    """Under ``use_deterministic_algorithms`` new memory is NaN (floats) or the largest integer."""
+    from torch.testing._internal.common_utils import DeterministicGuard
+
+    with DeterministicGuard(True):
+        for dtype in (torch.float32, torch.int32):
+            top = torch.iinfo(dtype).max if dtype == torch.int32 else None
+            for t in (torch.empty(2, 3, dtype=dtype, device="tpu"),
+                      torch.empty_strided((2, 3), (1, 2), dtype=dtype, device="tpu"),
+                      torch.ones(2, dtype=dtype, device="tpu").resize_(5)[2:]):
+                assert bool(t.isnan().all() if top is None else t.eq(top).all())
+    assert not torch.empty(4, device="tpu").isnan().any()  # zeros outside it
+
+
+def test_deepcopy_keeps_view_and_storage_sharing_like_cpu():
+    """A tensor, its view and its storage deep-copied together share the copied storage."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a = torch.arange(6.0, device=d)
+        view = a.view(2, 3)
+        a2, st2, v2 = copy.deepcopy([a, a.untyped_storage(), view])
+        a2.add_(1)
+        res.append((v2.cpu().tolist(), torch.tensor([], device=d).set_(st2).cpu().tolist(), a.cpu().tolist()))
+    assert res[0] == res[1]
+
+
+# ------------------------------------------------------------------- copy_, gather, scatter_add
+@pytest.mark.parametrize("dst,src", [((1,), (2, 1, 2, 1)), ((3,), (2,)), ((2, 3), (3, 2))])
+def test_copy_broadcast_errors_like_cpu(dst, src):
+    with pytest.raises(RuntimeError) as cpu_err:
+        torch.zeros(dst).copy_(torch.ones(src))
+    with pytest.raises(RuntimeError) as tpu_err:
+        torch.zeros(dst, device="tpu").copy_(torch.ones(src, device="tpu"))
+    assert str(tpu_err.value) == str(cpu_err.value)
+
+
+def test_gather_with_zero_dim_tensors_like_cpu():
+    for d in ("cpu", "tpu"):
+        one = torch.tensor([5.0], device=d)
+        assert torch.gather(one, 0, torch.zeros((), dtype=torch.int64, device=d)).shape == ()
+        assert torch.gather(one[0], 0, torch.zeros(1, dtype=torch.int64, device=d)).shape == (1,)
+
+
+def test_scatter_add_bool_is_logical_or_like_cpu():
+    idx = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
+    src = torch.ones(2, 5, dtype=torch.bool)
+    c = torch.zeros(3, 5, dtype=torch.bool).scatter_add_(0, idx, src)
+    t = torch.zeros(3, 5, dtype=torch.bool, device="tpu").scatter_add_(0, idx.to("tpu"), src.to("tpu"))
+    assert t.dtype == torch.bool and torch.equal(t.cpu(), c)
+
+
+def test_is_set_to_like_cpu():
+    """``is_set_to`` compares storage, offset, sizes and strides (it used to compare CPU copies)."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a = torch.empty(3, 4, device=d)
+        b = torch.tensor([], device=d).set_(a)
+        res.append((a.is_set_to(b), b.is_set_to(a), a.is_set_to(torch.empty(3, 4, device=d)),
+                    a.is_set_to(a.view(4, 3)), a.is_set_to(a[:])))
+    assert res[0] == res[1] == (True, True, False, False, True)
+
+
+def test_map_and_map2_like_cpu():
+    """``map_``/``map2_`` (a Python callable per element) run on a host copy of a tpu tensor."""
+    res = []
+    for d in ("cpu", "tpu"):
+        a, b, c = (torch.arange(6.0, device=d).reshape(2, 3) * k for k in (1, 2, 3))
+        a.map_(b[0], lambda x, y: x + y)
+        a.map2_(b, c, lambda x, y, z: x * y - z)
+        res.append(a.cpu())
+    assert res[1].dtype == res[0].dtype and torch.equal(res[1], res[0])
+
+
+def test_gradcheck_through_sparse_constructor_with_empty_dims():
+    """gradcheck of a function building a sparse tensor from values with a zero-size dim, and of
+    one with no sparse dims (``sparse_mask`` at the single position), as on CPU."""
+    for size, sd, nnz in (([1, 0, 2], 0, 5), ([1, 2], 0, 3)):
+        v = torch.randn([nnz] + size[sd:], dtype=torch.float64, device="tpu", requires_grad=True)
+        idx = torch.zeros(sd, nnz, dtype=torch.long, device="tpu")
+
+        def fn(values, idx=idx, size=size):
+            return torch.sparse_coo_tensor(idx, values, size).coalesce().values().tanh()
+
+        assert torch.autograd.gradcheck(fn, (v,), check_batched_grad=False)
