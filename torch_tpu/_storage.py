@@ -46,6 +46,10 @@ _capture: Any = None
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) -> torch.Tensor:
     """A fresh contiguous tpu tensor whose storage holds ``value`` (a jax array, or None: unset)."""
     t = torch._C._acc.create_empty_tensor(shape, dtype)
+    if 0 in shape:  # it gives an empty tensor's outer dims stride 0, where CPU counts a 0 as a 1
+        torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
+            DK.Meta, t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))
+        )
     st = t.untyped_storage()
     st._shape = tuple(shape)
     st._dtype = dtype
