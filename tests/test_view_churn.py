@@ -60,3 +60,21 @@ def test_a_few_layouts_keep_their_fused_reads():
     for v in (x.transpose(1, 2), x[:, 1:], x[1:]):
         (v * 2.5).sum().item()
     assert _op_compiles() - before == 6  # a mul and a sum per geometry, the reads inside them
+
+
+def test_reading_and_writing_each_element_shares_one_program():
+    """gradcheck perturbs each element in turn (``x[i].copy_(...)``, ``x[i].clone()``): a
+    contiguous run's offset is a runtime argument of its read and write, not a new program."""
+    want, got = torch.zeros(3, 7, dtype=torch.float64), torch.zeros(3, 7, dtype=torch.float64, device="tpu")
+    names = []
+    for i in range(3):
+        for j in range(7):
+            for t in (want, got):
+                t[i, j].copy_(t[i, j] + i * 7 + j)
+                t[i, 2:4] += 0.5
+            before = dict(metrics.compile_counts)
+            got[i, j].clone()
+            names += [k for k, n in metrics.compile_counts.items() if n != before.get(k, 0)]
+    torch.testing.assert_close(got.cpu(), want)
+    if not FUSED:
+        assert not [n for n in names if n.startswith("read")], names
