@@ -109,3 +109,18 @@ def test_layout_in_fused_mode():
         r = (t * 2).relu()
         assert r.is_contiguous(memory_format=CL)
         torch.testing.assert_close(r.cpu(), (x * 2).relu())
+
+
+def test_unbatched_max_pool3d_lays_out_as_its_batch_of_one():
+    # CPU pools a 4-D (unbatched) input as the batch of one it is: a channels_last_3d input
+    # squeezed to 4-D gives results (and an input gradient) laid out channels_last_3d
+    x = torch.randn(1, 3, 6, 5, 4).contiguous(memory_format=torch.channels_last_3d).squeeze(0).clone()
+    g = torch.randn(1, 3, 3, 2, 2).contiguous(memory_format=torch.channels_last_3d).squeeze(0)
+    outs = []
+    for dev in ("cpu", "tpu"):
+        xd = x.detach().to(dev).requires_grad_()
+        out, ind = F.max_pool3d(xd, 2, return_indices=True)
+        out.backward(g.to(dev))
+        outs.append((out, ind, xd.grad))
+    for cpu, tpu in zip(*outs):
+        _same_layout(cpu, tpu)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _out_dtypes, _rng, _shape_churn, _storage
+from torch_tpu import _dtypes, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -304,6 +304,12 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
+    def _metas(self, args: tuple, kwargs: dict) -> list:
+        """The meta kernel's results for a call (its checks already passed)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+            return meta_outputs(self.op, args, kwargs, self.lowering.meta)
+
     def _out_dtype_refused(self, e: Exception, args: tuple, kwargs: dict, sig: str) -> list:
         """The meta kernel refused the call: re-raised, named (in CPU's words when it refused an
         out or in-place tensor's dtype and CPU refuses too), unless it refused an ``out``
@@ -372,6 +378,11 @@ class _OpKernel:
             key = self._signature(pos, args, kwargs, dyn)
             if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
                 return _shape_churn.run(self.op, args, kwargs)
+            if kind != "out" and not executor.recording() and _view_churn.churns(name, key):
+                if kind == "functional":
+                    return _view_churn.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
+                if type(args[0]) is not list:
+                    return _view_churn.run_inplace(self, args, kwargs)
             entry = self.cache[key] = self._build(key, args, kwargs)
         program, avals, exact = entry
         if lowering.random:

@@ -314,6 +314,24 @@ def _as_strided_(t: torch.Tensor, size, stride, storage_offset=None) -> torch.Te
     return t
 
 
+@kernel(aten._new_zeros_with_same_feature_meta.default)
+def _new_zeros_with_same_feature_meta(self: torch.Tensor, other: torch.Tensor, *, self_num_batch_dims: int = 0):
+    """Forward AD's tangent for a primal that is a view (``x.real``, a slice): zeros over a storage
+    as large as the primal's, viewed with the primal's geometry (plus ``self``'s batch dims in
+    front). torch's kernel sizes that storage from the storage's ``nbytes``, which a tpu storage
+    does not carry (its array lives in jax), and so viewed 10 elements of an empty storage."""
+    st = other.untyped_storage()
+    numel = math.prod(st._shape) * st._dtype.itemsize // other.dtype.itemsize
+    batch = list(self.shape[:self_num_batch_dims])
+    strides, acc = [], numel
+    for n in reversed(batch):
+        strides.append(acc)
+        acc *= n
+    zeros = torch.zeros(acc, dtype=self.dtype, device=self.device)
+    return zeros.as_strided(batch + list(other.shape), strides[::-1] + list(other.stride()),
+                            other.storage_offset())
+
+
 @kernel(aten.view.dtype, fusable=True)
 def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A true view, as view_as_real is: torch's own kernel gives the geometry (and CPU's errors,

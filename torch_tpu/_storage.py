@@ -46,6 +46,10 @@ _capture: Any = None
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) -> torch.Tensor:
     """A fresh contiguous tpu tensor whose storage holds ``value`` (a jax array, or None: unset)."""
     t = torch._C._acc.create_empty_tensor(shape, dtype)
+    if 0 in shape:  # it gives an empty tensor's outer dims stride 0, where CPU counts a 0 as a 1
+        torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
+            DK.Meta, t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))
+        )
     st = t.untyped_storage()
     if 0 in shape:
         # create_empty_tensor multiplies raw sizes, giving (5, 1, 0, 2) the strides (0, 0, 2, 1);
@@ -256,6 +260,31 @@ def _write_program(base_shape, size, stride, offset, dtype) -> Program:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _flat_read_program(base_shape, size, dtype) -> Program:
+    """A contiguous run of the base (an element, a row) at a runtime offset: one program for every
+    offset, where a strided read is specialised on it (gradcheck reads each element in turn)."""
+    n = math.prod(size)
+
+    def run(base, offset):
+        return lax.dynamic_slice(base.reshape(-1), (offset,), (n,)).reshape(size)
+
+    return Program(f"read flat {list(size)} of {list(base_shape)}", run,
+                   key=(("storage shape", tuple(base_shape)), ("size", tuple(size)), ("dtype", dtype)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_write_program(base_shape, size, dtype) -> Program:
+    """The write twin of :func:`_flat_read_program`."""
+
+    def run(base, offset, value):
+        value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), size)
+        return lax.dynamic_update_slice(base.reshape(-1), value.reshape(-1), (offset,)).reshape(base_shape)
+
+    return Program(f"write flat {list(size)} into {list(base_shape)}", run,
+                   key=(("storage shape", tuple(base_shape)), ("size", tuple(size)), ("dtype", dtype)))
+
+
 def _alias_geometry(base_shape, base_dtype, view_dtype):
     """How a view with another element type sees a storage: (its base shape in view elements, its
     jax dtype, base -> view-typed base, view-typed base -> base). Only the complex/real pairs that
@@ -384,7 +413,11 @@ def read(t: torch.Tensor) -> Any:
         if a is None or _capture is not None or type(a) is fused.Lazy:
             return base_array(st)
         return a
-    prog = _read_program(st._shape, tuple(size), tuple(t.stride()), t.storage_offset(), _dtypes.to_jax(st._dtype))
+    geometry = (st._shape, tuple(size), tuple(t.stride()), t.storage_offset())
+    if _plan(*geometry)[0] == "flat":
+        return execute(_flat_read_program(st._shape, tuple(size), _dtypes.to_jax(st._dtype)), base_array(st),
+                       geometry[3])
+    prog = _read_program(*geometry, _dtypes.to_jax(st._dtype))
     return execute(prog, base_array(st))
 
 
@@ -408,7 +441,11 @@ def write(t: torch.Tensor, value: Any) -> None:
         else:  # cast and broadcast only: the old contents are not read (nor made, for an empty tensor)
             _replace(st, execute(_fill_program(tuple(size), jdt), value))
         return
-    prog = _write_program(st._shape, tuple(size), tuple(t.stride()), t.storage_offset(), jdt)
+    geometry = (st._shape, tuple(size), tuple(t.stride()), t.storage_offset())
+    if _plan(*geometry)[0] == "flat":
+        _replace(st, execute(_flat_write_program(st._shape, tuple(size), jdt), base_array(st), geometry[3], value))
+        return
+    prog = _write_program(*geometry, jdt)
     _replace(st, execute(prog, base_array(st), value))
 
 

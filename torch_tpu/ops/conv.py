@@ -55,12 +55,33 @@ def conv_forward(input, weight, bias, stride, padding, dilation, transposed, out
     return out.astype(input.dtype)
 
 
-@lower(aten.convolution)
+def _channel_checks(input, weight, groups, transposed) -> None:
+    """CPU's check of the input's channels against the weight's, in CPU's words: torch's meta
+    kernel says only "Invalid channel dimensions", and lets a transposed mismatch through."""
+    if input.dim() != weight.dim() or weight.dim() < 3:
+        return
+    want = weight.shape[0] if transposed else weight.shape[1] * groups
+    if input.shape[1] != want:
+        given = "transposed=1" if transposed else f"groups={groups}"
+        raise RuntimeError(
+            f"Given {given}, weight of size {list(weight.shape)}, expected input{list(input.shape)} to have "
+            f"{want} channels, but got {input.shape[1]} channels instead"
+        )
+
+
+def _convolution_meta(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+                      *rest):
+    _channel_checks(input, weight, groups, transposed)
+    return aten.convolution.default(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                    groups)
+
+
+@lower(aten.convolution, meta=_convolution_meta)
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     return conv_forward(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
-@lower(aten._convolution.default)
+@lower(aten._convolution.default, meta=_convolution_meta)
 def _convolution(
     input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
     benchmark=False, deterministic=False, cudnn_enabled=True, allow_tf32=True,
@@ -71,6 +92,13 @@ def _convolution(
 def _conv_backward(
     grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ) -> tuple[Any, ...]:
+    if 0 in input.shape or 0 in weight.shape or 0 in grad_output.shape:
+        # no channel (or no sample) to combine: every gradient is zero. The vjp cannot say so, as
+        # torch's output for an input without channels has no channels either (CPU's shapes)
+        zeros = (jnp.zeros(input.shape, input.dtype), jnp.zeros(weight.shape, weight.dtype),
+                 jnp.zeros(tuple(bias_sizes or (0,)), grad_output.dtype))
+        return tuple(g for g, m in zip(zeros, output_mask) if m)
+
     def fwd(x, w):
         return conv_forward(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
 

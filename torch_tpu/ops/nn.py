@@ -401,7 +401,25 @@ def max_pool2d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation
     return _max_pool(self, 2, kernel_size, stride, padding, dilation, ceil_mode)
 
 
-@lower(aten.max_pool3d_with_indices.default)
+def _unbatched_as_batched(op: Any) -> Any:
+    """A meta for a 3-d pooling op that lays out an unbatched (4-D) input as CPU's kernel does: as
+    the batch of one it is. torch's meta kernel asks the 4-D tensor itself for a memory format, so
+    a ``channels_last_3d`` input squeezed to 4-D got a contiguous result where CPU's is
+    ``channels_last_3d`` once unsqueezed (and its gradient the input's layout)."""
+
+    def meta(*args: Any, **kwargs: Any) -> Any:
+        if args[0].dim() != 4:
+            return op(*args, **kwargs)
+        # the batch dim's stride spans the tensor (unsqueeze's would be the channels' size)
+        batched = [a.as_strided((1, *a.shape), (max(a.numel(), 1), *a.stride()))
+                   if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
+        out = op(*batched, **kwargs)
+        return out.squeeze(0) if isinstance(out, torch.Tensor) else tuple(o.squeeze(0) for o in out)
+
+    return meta
+
+
+@lower(aten.max_pool3d_with_indices.default, meta=_unbatched_as_batched(aten.max_pool3d_with_indices.default))
 def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
     return _max_pool(self, 3, kernel_size, stride, padding, dilation, ceil_mode)
 
@@ -422,7 +440,8 @@ def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, pad
     return scatter_to_input(_acc(grad_output), self.shape, indices, 2)
 
 
-@lower(aten.max_pool3d_with_indices_backward.default)
+@lower(aten.max_pool3d_with_indices_backward.default,
+       meta=_unbatched_as_batched(aten.max_pool3d_with_indices_backward.default))
 def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
     return scatter_to_input(_acc(grad_output), self.shape, indices, 3)
 
