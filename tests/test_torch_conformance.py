@@ -249,3 +249,31 @@ def test_gradcheck_through_sparse_constructor_with_empty_dims():
             return torch.sparse_coo_tensor(idx, values, size).coalesce().values().tanh()
 
         assert torch.autograd.gradcheck(fn, (v,), check_batched_grad=False)
+
+
+# ----------------------------------------------------------- out= dtypes CPU refuses by name
+@pytest.mark.parametrize("op", ["logcumsumexp", "cummax"])
+def test_out_of_another_dtype_refused_like_cpu(op):
+    """CPU's non-structured cumulative kernels refuse an out tensor of another dtype with
+    "expected scalar_type Double but found Float" (an underscore, not "scalar type"): that refusal
+    is CPU's verdict on the out dtype, so tpu raises it too instead of casting into ``out``."""
+
+    def call(d):
+        x = torch.randn(5, 2, dtype=torch.float64, device=d)
+        if op == "cummax":
+            return torch.cummax(x, 1, out=(torch.empty(0, dtype=torch.float32, device=d),
+                                           torch.empty(0, dtype=torch.int64, device=d)))
+        return torch.logcumsumexp(x, 1, out=torch.zeros(5, 2, dtype=torch.float32, device=d))
+
+    with pytest.raises(RuntimeError, match="expected scalar_type Double but found Float") as cpu:
+        call("cpu")
+    with pytest.raises(type(cpu.value), match="expected scalar_type Double but found Float"):
+        call("tpu")
+
+
+def test_cumulative_out_of_same_dtype_still_written():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out = torch.empty(4, 16, dtype=torch.float64, device="tpu")[:, ::2]
+    torch.logcumsumexp(x.to("tpu"), 0, out=out)
+    torch.testing.assert_close(out.cpu(), torch.logcumsumexp(x, 0))
+    assert not out.is_contiguous()

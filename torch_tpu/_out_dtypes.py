@@ -27,7 +27,7 @@ _MAX_NUMEL = 1 << 22
 # The messages of torch's out wrapper (torch/_prims_common/wrappers.py) about an out tensor's
 # dtype: when CPU accepts that dtype, the meta kernel's refusal is not CPU's behaviour.
 _ABOUT_DTYPES = re.compile(r"dtype|result type|non-boolean|can't be cast|for complex tensors"
-                           r"|bool tensor for result|scalar type")
+                           r"|bool tensor for result|scalar[ _]type")
 _META_DTYPE_MESSAGES = ("Expected out tensor to have dtype", "Attempting to cast from")
 
 
