@@ -57,7 +57,6 @@ COMPILED_XFAIL = {
     "as_strided.partial_views": "the CPU input is a view at an offset; .to('tpu') copies it to offset 0 (eager too)",
     "tensor_split": "the harness moves tensor_indices_or_sections to tpu; torch wants it on the CPU (eager too)",
     "chalf": "complex32 is not a tpu dtype",
-    "to_sparse": "sparse layouts are not supported in graphs",
     "sparse.sampled_addmm": "sparse CSR tensors are not supported on tpu",
     "sparse.mm.reduce": "sparse CSR tensors are not supported on tpu",
 }
