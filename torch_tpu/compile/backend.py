@@ -99,6 +99,10 @@ GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
     aten._copy_from_and_resize.default: "a transfer between devices; graphs move tensors with _to_copy",
     aten.native_batch_norm.default: "it writes the running statistics; AOTAutograd traces "
                                     "_native_batch_norm_legit_functional instead",
+    aten.is_set_to.default: "its result is a Python bool about storage identity, read on the host; Dynamo "
+                            "breaks the graph there",
+    aten._new_zeros_with_same_feature_meta.default: "forward-mode AD calls it on concrete tensors to make a "
+                                                    "view's tangent; AOTAutograd's graphs do not name it",
 }
 
 
