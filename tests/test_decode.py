@@ -167,3 +167,65 @@ def test_without_the_host_path_generate_names_the_growing_sequence_as_the_cause(
     assert reasons and all("grows every step" in r or "grew by one" in r for r in reasons[-3:]), reasons
     messages = [str(c.message) for c in caught if "recompiled" in str(c.message)]
     assert messages and "static cache" in messages[0], messages
+
+
+def test_an_exported_decoding_step_keeps_its_static_cache_as_state(model, tmp_path):
+    """transformers' export recipe (a StaticCache registered as buffers, written every step):
+    the artifact carries the cache as state, so prefill and greedy decoding through it, then
+    through the saved artifact run by JAX alone, give the tokens and logits that the same
+    exported program gives run by PyTorch on CPU."""
+    import numpy as np
+    from transformers.integrations.executorch import convert_and_export_with_cache
+
+    prompt, new = _prompt(batch=2, length=4), 5
+    m = tiny_llama(layers=2, hidden=64)
+    m.load_state_dict(model.state_dict())
+    m.generation_config.cache_implementation = "static"
+    m.generation_config.cache_config = {"batch_size": 2, "max_cache_len": 4 + new}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = convert_and_export_with_cache(m, torch.zeros(2, 1, dtype=torch.long), torch.tensor([0]))
+    art = torch_tpu.export(ep)
+    assert {"key_cache_0", "value_cache_1"} <= set(art.state_names)
+
+    def decode(step):  # the prompt token by token, then greedy: the tokens and every step's logits
+        logits = []
+        for i in range(4):
+            logits.append(step(prompt[:, i:i + 1], torch.tensor([i])))
+        tokens = []
+        for i in range(new):
+            tokens.append(logits[-1][:, -1].argmax(-1, keepdim=True))
+            logits.append(step(tokens[-1], torch.tensor([4 + i])))
+        return torch.cat(tokens, 1), torch.stack(logits)
+
+    cpu_module = ep.module()
+    with torch.no_grad():
+        want, want_logits = decode(lambda ids, pos: cpu_module(input_ids=ids, cache_position=pos))
+
+    def check(step):
+        tokens, logits = decode(step)
+        assert tokens.tolist() == want.tolist()
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+    check(lambda ids, pos: art(input_ids=ids, cache_position=pos))
+    assert art.state()["key_cache_0"].abs().sum() > 0  # the cache was written
+    art.reset_state()
+    assert art.state()["key_cache_0"].abs().sum() == 0
+    check(lambda ids, pos: art(input_ids=ids, cache_position=pos))
+
+    art.save(tmp_path)
+    run = torch_tpu.load(tmp_path)
+    assert [s["name"] for s in run.meta["state"]] == art.state_names
+    check(lambda ids, pos: torch.from_numpy(np.asarray(run(ids.numpy(), pos.numpy()))))
+    run.reset()
+    check(lambda ids, pos: torch.from_numpy(np.asarray(run(ids.numpy(), pos.numpy()))))
+
+
+def test_export_refuses_a_forward_that_changes_its_input_in_place():
+    class Accumulate(torch.nn.Module):
+        def forward(self, total, x):
+            total.add_(x)
+            return total * 2
+
+    with pytest.raises(NotImplementedError, match="USER_INPUT_MUTATION"):
+        torch_tpu.export(Accumulate(), (torch.zeros(3), torch.ones(3)))

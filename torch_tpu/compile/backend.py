@@ -48,6 +48,16 @@ def _assert_scalar(cond: Any, msg: str) -> None:
         raise RuntimeError(f"torch.compile(backend='tpu'): {msg}")
 
 
+def _assert_tensor_metadata(a: Any, size: Any = None, stride: Any = None, dtype: Any = None, **_: Any) -> None:
+    """``torch.export``'s record of what a ``.to()`` call saw: checked on the traced array's shape
+    and dtype when the program is built (strides and devices are not the program's)."""
+    if dtype is not None and hasattr(a, "dtype") and a.dtype != _dtypes.to_jax(dtype):
+        raise RuntimeError(f"torch.compile(backend='tpu'): a tensor expected as {dtype} is {a.dtype} in the graph")
+    if size is not None and hasattr(a, "shape") and tuple(a.shape) != tuple(size):
+        raise RuntimeError(f"torch.compile(backend='tpu'): a tensor expected of shape {list(size)} is "
+                           f"{list(a.shape)} in the graph")
+
+
 # Node targets computed in Python while the program is traced: tuple access and the arithmetic on
 # sizes of dynamic-shape graphs, whose sizes are plain ints then (a program per set of sizes).
 _PYTHON_OPS: dict[Callable, Callable] = {
@@ -75,6 +85,7 @@ _PYTHON_OPS: dict[Callable, Callable] = {
     torch.ops.aten.sym_numel.default: lambda x: math.prod(x.shape),
     torch.ops.aten._assert_scalar.default: _assert_scalar,
     torch.ops.aten.sym_constrain_range_for_size.default: lambda *args, **kwargs: None,
+    torch.ops.aten._assert_tensor_metadata.default: _assert_tensor_metadata,
 }
 
 
