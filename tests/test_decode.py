@@ -229,3 +229,15 @@ def test_export_refuses_a_forward_that_changes_its_input_in_place():
 
     with pytest.raises(NotImplementedError, match="USER_INPUT_MUTATION"):
         torch_tpu.export(Accumulate(), (torch.zeros(3), torch.ones(3)))
+
+
+def test_the_decode_bench_export_loop_gives_the_exported_programs_tokens_on_cpu():
+    from torch_tpu.bench import decode
+
+    kw = dict(new=3, prompt_len=2, batch=2, layers=1, hidden=32)
+    served, on_cpu = decode.measure("export", "export", **kw), decode.measure("cpu", "export", **kw)
+    assert served["tokens"].shape == (2, 3)
+    assert torch.equal(served["tokens"], on_cpu["tokens"])
+    assert served["compiles_first_call"] is None  # JAX compiles the artifact: not torch_tpu's count
+    with pytest.raises(ValueError, match="export loop runs in mode 'export'"):
+        decode.measure("fused", "export", **kw)

@@ -10,7 +10,7 @@
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
     python -m torch_tpu.bench fsdp [--nproc 2]                  (DDP next to FSDP2, both paths)
     python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,...]
-                                     [--loops generate,static] [--threads N]
+                                     [--loops generate,static,export] [--threads N]
                                      (see bench/decode.py)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
@@ -361,7 +361,7 @@ def main() -> None:
     g.add_argument("--prompt", type=int, default=16)
     g.add_argument("--batch", type=int, default=4)
     g.add_argument("--modes", default="cpu,fused,compile,compile-fused,strict")
-    g.add_argument("--loops", default="generate,static")
+    g.add_argument("--loops", default="generate,static,export")
     g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for the run (0: torch's default)")
     a = p.parse_args()
     if a.cmd == "predict":

@@ -4,7 +4,7 @@
 
 Each mode decodes greedily three times from the same prompt: the first call (a fresh process has
 compiled nothing for these shapes) gives the first-token latency and the compiles per token; the
-last, with the same lengths, gives the steady speed. Two loops are measured:
+last, with the same lengths, gives the steady speed. Three loops are measured:
 
 * ``generate``: ``model.generate(..., cache_implementation="static")``. transformers grows
   ``input_ids`` and the attention mask by one column per token (``torch.cat``), so every new
@@ -12,6 +12,11 @@ last, with the same lengths, gives the steady speed. Two loops are measured:
 * ``static``: the same decoding written with fixed shapes, :func:`static_decode`: a
   ``StaticCache``, the position as a tensor, and the tokens written into a preallocated buffer.
   It compiles nothing after the first tokens.
+* ``export``: the decoding step exported with its static cache as state (transformers'
+  ``convert_and_export_with_cache``, then :func:`torch_tpu.export`), prefilled one token at a
+  time and decoded greedily by :func:`export_decode`; the artifact's own program, outside
+  PyTorch's dispatcher, as a server runs it. Its mode column is ``export`` (``cpu``: the same
+  exported program run by PyTorch on CPU), and its compiles are JAX's, not counted here.
 
 Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compile``
 (``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode) and
@@ -90,6 +95,35 @@ def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: A
     return out
 
 
+def export_step(model: Any, batch: int, max_len: int) -> Any:
+    """The model's one-token decoding step exported with a static cache of ``max_len`` positions:
+    the ``torch.export`` program (transformers' recipe), whose cache buffers are its state."""
+    from transformers.integrations.executorch import convert_and_export_with_cache
+
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": batch, "max_cache_len": max_len}
+    with torch.no_grad():
+        return convert_and_export_with_cache(model, torch.zeros(batch, 1, dtype=torch.long), torch.tensor([0]))
+
+
+def export_decode(step: Any, prompt: torch.Tensor, new_tokens: int, on_token: Any = None) -> torch.Tensor:
+    """Greedy decoding through an exported step ``step(input_ids=[batch, 1], cache_position=[1])``
+    (a :func:`torch_tpu.export` artifact, or the ``torch.export`` module on CPU): the prompt one
+    position per call, then one token per call. Returns the new tokens."""
+    length = prompt.shape[1]
+    with torch.no_grad():
+        for i in range(length):
+            logits = step(input_ids=prompt[:, i:i + 1], cache_position=torch.tensor([i]))
+        tokens = []
+        for i in range(new_tokens):
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+            if on_token is not None:
+                on_token(i, tokens[-1])
+            if i + 1 < new_tokens:
+                logits = step(input_ids=tokens[-1], cache_position=torch.tensor([length + i]))
+    return torch.cat(tokens, 1)
+
+
 def _choose(logits: torch.Tensor, ids: torch.Tensor, processor: Any, generator: torch.Generator | None) -> Any:
     scores = logits[:, -1].float()
     if processor is not None:
@@ -118,6 +152,10 @@ class _Clock:
 
 
 def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
+    if loop == "export":
+        if hasattr(model, "reset_state"):
+            model.reset_state()  # a fresh request: the exported cache empty again
+        return export_decode(model, prompt, new, on_token=lambda step, token: clock.mark())
     if loop == "static":
         return static_decode(model, prompt, new, on_token=lambda step, token: clock.mark())
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -141,7 +179,12 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
     torch._dynamo.reset()
     model = tiny_llama(layers, hidden)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
-    device = "cpu" if mode == "cpu" else "tpu"
+    if loop == "export":
+        if mode not in ("cpu", "export"):
+            raise ValueError(f"the export loop runs in mode 'export' (the artifact) or 'cpu', not {mode!r}")
+        step = export_step(model, batch, prompt_len + new)
+        model = step.module() if mode == "cpu" else torch_tpu.export(step)
+    device = "cpu" if mode in ("cpu", "export") else "tpu"
     previous = torch_tpu.get_eager_mode()
     if device == "tpu":
         model = model.to("tpu")
@@ -173,11 +216,16 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
         "host_ms_per_token": round(1000 * cpu / steps, 2), "wall_ms_per_token": round(1000 * seconds / steps, 2),
         "first_token_s": round(first[0] - start0[0], 3),
         "first_call_s": round(marks0[-1][0] - start0[0], 2),
-        "compiles_first_call": marks0[-1][2] - start0[2],
-        "compiles_after_token_8": marks0[-1][2] - later[2],
-        "compiles_last_call": marks1[-1][2] - marks1[0][2],
+        # torch_tpu's counts; None for the export loop, whose program JAX compiles
+        "compiles_first_call": None if device != "tpu" else marks0[-1][2] - start0[2],
+        "compiles_after_token_8": None if device != "tpu" else marks0[-1][2] - later[2],
+        "compiles_last_call": None if device != "tpu" else marks1[-1][2] - marks1[0][2],
         "tokens": tokens,
     }
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
 
 
 def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
@@ -188,7 +236,10 @@ def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
           "| compiles (first call) | compiles after token 8 | same tokens as CPU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for loop in loops:
-        for mode in modes:
+        # the export loop has two modes of its own: the artifact, and its program on CPU
+        for mode in (("cpu", "export") if loop == "export" else modes):
+            if loop == "export" and "cpu" not in modes and mode == "cpu":
+                continue
             r = measure(mode, loop, **kw)
             if mode == "cpu":
                 cpu[loop] = r
@@ -197,6 +248,6 @@ def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
             same = "-" if ref is None or mode == "cpu" else str(torch.equal(r["tokens"], ref["tokens"]))
             print(f"| {loop} | {mode} | {r['tokens_per_s']} | {ratio} | {r['host_ms_per_token']} | "
                   f"{r['wall_ms_per_token']} | {r['first_token_s']} | {r['first_call_s']} | "
-                  f"{r['compiles_first_call']} | {r['compiles_after_token_8']} | {same} |", flush=True)
+                  f"{_count(r['compiles_first_call'])} | {_count(r['compiles_after_token_8'])} | {same} |", flush=True)
             rows.append(r)
     return rows
