@@ -239,3 +239,22 @@ def test_copies_and_views_like_cpu():
     (ca, *cflags), (ta, *tflags) = results
     assert tflags == cflags == [False, False, True]
     torch.testing.assert_close(ta, ca)
+
+
+@pytest.mark.parametrize("geometry", [
+    ((3, 3), (1, 1), 0),  # overlapping, inside the storage
+    ((2, 2), (1, 2), 4),  # the last element past the end: CPU refuses rather than read beyond
+    ((7,), (1,), 0),
+    ((0, 9), (1, 1), 100),  # no elements: any offset
+    ((2,), (1,), -1),
+    ((2, 3), (3, 1), 0),
+])
+def test_as_strided_checks_the_storage_bounds_like_cpu(geometry):
+    from conftest import like_cpu
+
+    like_cpu(lambda x: x.as_strided(*geometry), torch.arange(6.0))
+    # a view of a view is checked against the whole storage, in bytes for a dtype view
+    like_cpu(lambda x: x[2:].as_strided((3,), (1,), 3), torch.arange(6.0))
+    like_cpu(lambda x: x[2:].as_strided((4,), (1,), 3), torch.arange(6.0))
+    like_cpu(lambda x: x.view(torch.int16).as_strided((12,), (1,), 0), torch.arange(6.0))
+    like_cpu(lambda x: x.view(torch.int16).as_strided((13,), (1,), 0), torch.arange(6.0))

@@ -274,6 +274,28 @@ def _view_kernel(op: torch._ops.OpOverload):
             run.counts_itself = True
             return run
         meta = get_kernel(op, "Meta").call_boxed
+        if op is aten.as_strided.default:
+            # torch's Meta kernel takes any geometry; CPU's refuses one reaching past the storage,
+            # which here would read clamped (wrong) elements, so the bounds are checked as CPU does
+            def run(self, size, stride, storage_offset=None):
+                counts[name] += 1
+                out = meta(keyset, self, size, stride, storage_offset)
+                extent = 1
+                for n, s in zip(size, stride):
+                    if n == 0:
+                        return out  # no elements: any storage holds it, as on CPU
+                    extent += (n - 1) * s
+                st = self.untyped_storage()
+                shape = getattr(st, "_shape", None)  # None: AOTAutograd's wrappers
+                if shape is not None:
+                    offset = self.storage_offset() if storage_offset is None else storage_offset
+                    # in elements when the view's dtype is the storage's (nearly always), else in bytes
+                    if self.dtype is not st._dtype or offset + extent > math.prod(shape):
+                        _check_strided_bounds(out, size, stride, extent, shape, st._dtype)
+                return out
+
+            run.counts_itself = True
+            return run
 
         def run(*args, **kwargs):
             counts[name] += 1  # counted here: views are hot, a counting wrapper is a frame more
@@ -288,6 +310,19 @@ def _view_kernel(op: torch._ops.OpOverload):
 
     run.counts_itself = True
     return run
+
+
+def _check_strided_bounds(out: torch.Tensor, size: Any, stride: Any, extent: int, shape: tuple,
+                          storage_dtype: torch.dtype) -> None:
+    """CPU's refusal of a view whose last element lies past its storage (in bytes, as CPU counts,
+    since a dtype view's elements are not its storage's)."""
+    itemsize = out.element_size()
+    need = (extent + out.storage_offset()) * itemsize
+    have = math.prod(shape) * storage_dtype.itemsize
+    if need > have:
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {out.storage_offset()}, and "
+            f"itemsize {itemsize} requiring a storage size of {need} are out of bounds for storage of size {have}")
 
 
 for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default,
