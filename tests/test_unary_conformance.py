@@ -122,3 +122,22 @@ def test_lgamma_exact_zeros(dtype):
     got = torch.lgamma(x.to("tpu")).cpu()
     torch.testing.assert_close(got, torch.lgamma(x))
     assert got[0].item() == 0.0 and got[1].item() == 0.0
+
+
+@pytest.mark.parametrize("name", ["tanh", "sigmoid"])
+def test_complex_backward_takes_the_conjugate_like_cpu(name):
+    """The dedicated backward kernels of tanh and sigmoid, and autograd through them, on complex
+    inputs: CPU multiplies the incoming gradient by the derivative's conjugate (PyTorch's
+    convention for complex gradients), which a real-only formula silently leaves out."""
+    from conftest import like_cpu
+
+    g0 = torch.randn(2, 1, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    x0 = torch.randn(2, 1, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    backward = getattr(torch.ops.aten, f"{name}_backward")
+    like_cpu(lambda g, x: backward(g, getattr(torch, name)(x)), g0, x0)
+
+    def grad(g, x):
+        x = x.clone().requires_grad_()
+        return torch.autograd.grad(getattr(torch, name)(x), x, g)[0]
+
+    like_cpu(grad, g0, x0)

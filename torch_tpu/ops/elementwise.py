@@ -1080,13 +1080,15 @@ def threshold_backward(grad_output, self, threshold):
 @lower(aten.sigmoid_backward.default)
 def sigmoid_backward(grad_output, output):
     g, y = _common(grad_output, output)
-    return g * (1 - y) * y
+    d = (1 - y) * y
+    return g * (jnp.conj(d) if jnp.iscomplexobj(d) else d)  # CPU's Wirtinger convention: the conjugate
 
 
 @lower(aten.tanh_backward.default)
 def tanh_backward(grad_output, output):
     g, y = _common(grad_output, output)
-    return g * (1 - y * y)
+    d = 1 - y * y
+    return g * (jnp.conj(d) if jnp.iscomplexobj(d) else d)  # CPU's Wirtinger convention: the conjugate
 
 
 @lower(aten.logit_backward.default)
