@@ -119,7 +119,12 @@ _put: list[Any] = []
 def host_to_device(t: torch.Tensor) -> Any:
     """A jax array on tpu:0 with a private copy of a CPU tensor's data. *Uncommitted* (no device
     named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
-    data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
+    return numpy_to_device(np.array(_dtypes.cpu_to_numpy(t), copy=True))
+
+
+def numpy_to_device(data: np.ndarray) -> Any:
+    """:func:`host_to_device` of a numpy array the caller gives up (the array keeps it as its host
+    copy): a transfer, never a compile, whatever the shape."""
     metrics.transfer_bytes["host_to_device"] += data.nbytes
     if not _put:
         _put.append(_make_put())

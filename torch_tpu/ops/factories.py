@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _dtypes
+from torch_tpu._kernels import numpy_to_device
 from torch_tpu._storage import new_tensor, remember_host_copy
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.shape import program
@@ -67,6 +68,11 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
         meta = aten.arange.start_step(start, end, step, dtype=dtype, device="meta")  # CPU's dtype and length
         n, out_dtype = meta.shape[0], meta.dtype
     acc = np.int64 if integral else np.float64
+    if integral and out_dtype == torch.int64 and n <= _UPLOADED_ARANGE:
+        # positions, cache indices: CPU's values computed here (int64 wraps as CPU's) and uploaded,
+        # a transfer where a program would compile once per length (a decoding loop's every token)
+        # and, in fused mode, run on its own; the host copy also serves index checks
+        return new_tensor((n,), out_dtype, numpy_to_device(start + np.arange(n, dtype=np.int64) * step))
     fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(out_dtype))
     value = execute(fn, acc(start), acc(step))
     if integral and out_dtype == torch.int64 and n <= _HOST_ARANGE:
@@ -77,6 +83,7 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
 
 
 _HOST_ARANGE = 1 << 16  # longest integer arange whose values are kept on the host
+_UPLOADED_ARANGE = 4096  # longest integer arange uploaded rather than computed on the device
 
 
 def _linspace_values(start, end, steps: int):
