@@ -63,3 +63,34 @@ def test_forward_ad_tangent_of_a_view():
     assert got_stride == want_stride
     torch.testing.assert_close(got.cpu(), want)
 
+
+
+@pytest.mark.parametrize("loss, x_shape, y_shape", [
+    (torch.nn.MultiMarginLoss(), (0,), (10,)),
+    (torch.nn.MultiMarginLoss(), (10, 0), (10,)),
+    (torch.nn.MultiLabelMarginLoss(), (10, 0), (10, 0)),
+    (torch.nn.MultiLabelMarginLoss(), (0,), (10,)),
+])
+def test_refused_shape_leaves_no_value_check_behind(loss, x_shape, y_shape):
+    # the target's values are out of range too, but CPU refuses the shape first; the op never
+    # runs, so its queued value check must not raise later at an unrelated host read
+    def error(dev):
+        x = torch.randn(x_shape, device=dev)
+        y = torch.ones(y_shape, device=dev).long()
+        with pytest.raises(Exception) as info:
+            loss(x, y)
+        assert torch.ones(3, device=dev).sum().item() == 3.0  # a host read after the failure
+        return info.value
+
+    want, got = error("cpu"), error("tpu")
+    assert type(got) is type(want)
+    assert "Expected non-empty vector or matrix" in str(got)
+
+
+def test_value_check_of_an_op_that_ran_still_raises():
+    # a well-shaped call with an out-of-range target: CPU's RuntimeError, at the op or the next read
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 5])
+    with pytest.raises(RuntimeError, match="target out of range"):
+        torch.nn.functional.multi_margin_loss(x, y)
+    with pytest.raises(RuntimeError, match="target out of range"):
+        torch.nn.functional.multi_margin_loss(x.to("tpu"), y.to("tpu")).item()
