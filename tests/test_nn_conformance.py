@@ -153,3 +153,16 @@ def test_cpu_fallback_returns_the_argument_of_each_aliased_result():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert torch.nn.functional.rrelu(torch.tensor([float("nan")], device="tpu"), inplace=True).isnan().item()
+
+
+def test_shape_refusal_comes_before_a_host_value_check():
+    # the target's values are on the host (so checked at the op), out of range for 0 classes:
+    # CPU refuses the empty input's shape before it reads a target value
+    def message(dev):
+        x, y = torch.randn(10, 0, device=dev), torch.tensor([1] * 10).to(dev)
+        with pytest.raises(RuntimeError) as info:
+            torch.nn.functional.multi_margin_loss(x, y)
+        return str(info.value)
+
+    assert "Expected non-empty vector or matrix" in message("cpu")
+    assert "Expected non-empty vector or matrix" in message("tpu")

@@ -304,6 +304,16 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
+    def _shape_refusal_first(self, args: tuple, kwargs: dict) -> None:
+        """A value check failed on host values (a target out of range). CPU checks shapes before
+        it reads a value, so if the meta kernel refuses the call too, its error is the one raised
+        (``multi_margin_loss`` of a (10, 0) input: "Expected non-empty vector or matrix")."""
+        pos = tuple(_spec(a, d, [], self.name) for a, d in zip(args, self.pos_dynamic))
+        try:
+            self._metas(args, kwargs)
+        except Exception as e:
+            self._out_dtype_refused(e, args, kwargs, ", ".join(_describe(s) for s in pos))
+
     def _metas(self, args: tuple, kwargs: dict) -> list:
         """The meta kernel's results for a call (its checks already passed)."""
         with warnings.catch_warnings():
@@ -358,11 +368,16 @@ class _OpKernel:
         mark = -1
         if lowering.check is not None:  # reads values on the host: never recorded
             mark = checks.mark()
-            if executor.recording():
-                with executor.eager_section():
+            try:
+                if executor.recording():
+                    with executor.eager_section():
+                        lowering.check(*args, **kwargs)
+                else:
                     lowering.check(*args, **kwargs)
-            else:
-                lowering.check(*args, **kwargs)
+            except Exception as e:
+                if getattr(e, "tpu_value_check", False):
+                    self._shape_refusal_first(args, kwargs)
+                raise
         try:
             dyn: list = []
             name = self.name
