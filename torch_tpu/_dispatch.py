@@ -38,7 +38,7 @@ from torch_tpu.ops._registry import (
     dispatcher_overloads,
     is_mutating,
 )
-from torch_tpu.runtime import executor, fused, metrics
+from torch_tpu.runtime import checks, executor, fused, metrics
 from torch_tpu.runtime.errors import raise_named
 from torch_tpu.runtime.executor import Program, execute
 
@@ -304,6 +304,16 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
+    def _shape_refusal_first(self, args: tuple, kwargs: dict) -> None:
+        """A value check failed on host values (a target out of range). CPU checks shapes before
+        it reads a value, so if the meta kernel refuses the call too, its error is the one raised
+        (``multi_margin_loss`` of a (10, 0) input: "Expected non-empty vector or matrix")."""
+        pos = tuple(_spec(a, d, [], self.name) for a, d in zip(args, self.pos_dynamic))
+        try:
+            self._metas(args, kwargs)
+        except Exception as e:
+            self._out_dtype_refused(e, args, kwargs, ", ".join(_describe(s) for s in pos))
+
     def _metas(self, args: tuple, kwargs: dict) -> list:
         """The meta kernel's results for a call (its checks already passed)."""
         with warnings.catch_warnings():
@@ -355,79 +365,91 @@ class _OpKernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _op_counts[self.name] += 1
         lowering = self.lowering
+        mark = -1
         if lowering.check is not None:  # reads values on the host: never recorded
-            if executor.recording():
-                with executor.eager_section():
+            mark = checks.mark()
+            try:
+                if executor.recording():
+                    with executor.eager_section():
+                        lowering.check(*args, **kwargs)
+                else:
                     lowering.check(*args, **kwargs)
-            else:
-                lowering.check(*args, **kwargs)
-        dyn: list = []
-        name = self.name
-        kind = self.kind
-        pos = []
-        for a, d in zip(args, self.pos_dynamic):
-            k = _key_of(a, d, dyn)
-            pos.append(_spec(a, d, dyn, name) if k is _SLOW else k)
-        pos = tuple(pos)
-        key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
-        entry = self.cache.get(key)
-        if entry is None:
-            # the key with _spec's types, which the program's rebuild and the churn pattern read
-            dyn = []
-            pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
-            key = self._signature(pos, args, kwargs, dyn)
-            if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
-                return _shape_churn.run(self.op, args, kwargs)
-            if kind != "out" and not executor.recording() and _view_churn.churns(name, key):
-                if kind == "functional":
-                    return _view_churn.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
-                if type(args[0]) is not list:
-                    return _view_churn.run_inplace(self, args, kwargs)
-            entry = self.cache[key] = self._build(key, args, kwargs)
-        program, avals, exact = entry
-        if lowering.random:
-            generator = kwargs.get("generator")
-            if generator is None and self.generator_at is not None and self.generator_at < len(args):
-                generator = args[self.generator_at]
-            dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
-        recording = executor._mode is _FUSED or executor.recording()
-        outs = fused.record(program, dyn) if recording else execute(program, *dyn)
-        if kind == "functional":
-            if exact is True:
+            except Exception as e:
+                if getattr(e, "tpu_value_check", False):
+                    self._shape_refusal_first(args, kwargs)
+                raise
+        try:
+            dyn: list = []
+            name = self.name
+            kind = self.kind
+            pos = []
+            for a, d in zip(args, self.pos_dynamic):
+                k = _key_of(a, d, dyn)
+                pos.append(_spec(a, d, dyn, name) if k is _SLOW else k)
+            pos = tuple(pos)
+            key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
+            entry = self.cache.get(key)
+            if entry is None:
+                # the key with _spec's types, which the program's rebuild and the churn pattern read
+                dyn = []
+                pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
+                key = self._signature(pos, args, kwargs, dyn)
+                if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
+                    return _shape_churn.run(self.op, args, kwargs)
+                if kind != "out" and not executor.recording() and _view_churn.churns(name, key):
+                    if kind == "functional":
+                        return _view_churn.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
+                    if type(args[0]) is not list:
+                        return _view_churn.run_inplace(self, args, kwargs)
+                entry = self.cache[key] = self._build(key, args, kwargs)
+            program, avals, exact = entry
+            if lowering.random:
+                generator = kwargs.get("generator")
+                if generator is None and self.generator_at is not None and self.generator_at < len(args):
+                    generator = args[self.generator_at]
+                dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
+            recording = executor._mode is _FUSED or executor.recording()
+            outs = fused.record(program, dyn) if recording else execute(program, *dyn)
+            if kind == "functional":
+                if exact is True:
+                    if self.single:
+                        shape, dtype = avals[0]
+                        return new_tensor(shape, dtype, outs[0])
+                    tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
+                elif exact:  # some results laid out as their meta strides say (channels_last)
+                    strided = _storage.new_strided
+                    tensors = [
+                        new_tensor(shape, dtype, o) if lay is None else strided(shape, lay[0], lay[1], dtype, o)
+                        for o, (shape, dtype), lay in zip(outs, avals, exact)
+                    ]
+                else:  # results undefined by an output_mask (None), or of the lowering's own shapes
+                    it = iter(outs)
+                    tensors = [None if a is None else _own(next(it), a[1]) for a in avals]
                 if self.single:
-                    shape, dtype = avals[0]
-                    return new_tensor(shape, dtype, outs[0])
-                tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
-            elif exact:  # some results laid out as their meta strides say (channels_last)
-                strided = _storage.new_strided
-                tensors = [
-                    new_tensor(shape, dtype, o) if lay is None else strided(shape, lay[0], lay[1], dtype, o)
-                    for o, (shape, dtype), lay in zip(outs, avals, exact)
-                ]
-            else:  # results undefined by an output_mask (None), or of the lowering's own shapes
-                it = iter(outs)
-                tensors = [None if a is None else _own(next(it), a[1]) for a in avals]
-            if self.single:
-                return tensors[0]
-            return tensors if self.returns_list else tuple(tensors)
-        if kind == "inplace":
-            first = args[0]
-            if type(first) is list:  # _foreach_*_: every tensor of the list, returning nothing
-                for t, v, k in zip(first, outs, pos[0]):
-                    _write_result(t, v, k, exact)
-                return None
-            _write_result(first, outs[0], pos[0], exact)
-            return first
-        targets = [kwargs[n] for n in self.out_names]  # out=
-        for t, value, (shape, _) in zip(targets, outs, avals):
-            if not is_tpu(t):
-                raise device_mismatch(name, t.device)
-            if tuple(t.shape) != shape:
-                if t.numel():
-                    warnings.warn(_RESIZED.format(list(t.shape), list(shape)), UserWarning, stacklevel=2)
-                set_base(t, shape, t.dtype, None)
-            write(t, value)
-        return targets[0] if len(targets) == 1 else tuple(targets)
+                    return tensors[0]
+                return tensors if self.returns_list else tuple(tensors)
+            if kind == "inplace":
+                first = args[0]
+                if type(first) is list:  # _foreach_*_: every tensor of the list, returning nothing
+                    for t, v, k in zip(first, outs, pos[0]):
+                        _write_result(t, v, k, exact)
+                    return None
+                _write_result(first, outs[0], pos[0], exact)
+                return first
+            targets = [kwargs[n] for n in self.out_names]  # out=
+            for t, value, (shape, _) in zip(targets, outs, avals):
+                if not is_tpu(t):
+                    raise device_mismatch(name, t.device)
+                if tuple(t.shape) != shape:
+                    if t.numel():
+                        warnings.warn(_RESIZED.format(list(t.shape), list(shape)), UserWarning, stacklevel=2)
+                    set_base(t, shape, t.dtype, None)
+                write(t, value)
+            return targets[0] if len(targets) == 1 else tuple(targets)
+        except BaseException:
+            if mark >= 0:  # the op failed after its value checks were queued: they go with it
+                checks.drop_since(mark)
+            raise
 
 
 def _write_result(t: torch.Tensor, value: Any, k: Any, exact: Any) -> None:

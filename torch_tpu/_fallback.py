@@ -74,7 +74,7 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         ckwargs["device"] = torch.device("cpu")
     out = op(*cargs, **ckwargs)
     schema = op._schema
-    mutated = []
+    mutated = {}  # alias set -> the tpu tensor written in place
     for i, a in enumerate(schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
@@ -84,11 +84,15 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             for s, r in zip(src, res):
                 _write_back(s, r)
         elif _write_back(src, res):
-            mutated.append(src)
+            mutated[frozenset(a.alias_info.before_set)] = src
     if not schema.returns:  # "-> ()": in-place on a list, nothing returned
         return None
-    if mutated and all(r.alias_info is not None for r in schema.returns):
-        return mutated[0] if len(mutated) == 1 else tuple(mutated)
+    # each aliased result is the argument of its alias set: rrelu_with_noise_ writes ``self`` and
+    # ``noise`` but returns ``self`` alone
+    aliased = [None if r.alias_info is None else mutated.get(frozenset(r.alias_info.before_set))
+               for r in schema.returns]
+    if all(t is not None for t in aliased):
+        return aliased[0] if len(aliased) == 1 else tuple(aliased)
     return _from_cpu(out)
 
 

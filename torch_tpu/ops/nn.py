@@ -1076,10 +1076,49 @@ def _interp_axis(x, axis, out_size, align_corners, scale, cubic):
 
 def _upsample_interp(x, output_size, align_corners, scales, cubic=False):
     n = len(output_size)
+    if x.dtype == jnp.uint8:
+        return _uint8_passes(x, reversed(range(n)), lambda y, i: _interp_axis(
+            y, y.ndim - n + i, output_size[i], align_corners, scales[i], cubic), cubic)
     x = _acc(x)
     for i, (size, s) in enumerate(zip(output_size, scales)):
         x = _interp_axis(x, x.ndim - n + i, size, align_corners, s, cubic)
     return x
+
+
+def _uint8_passes(x, axes, interp, cubic):
+    """A uint8 image resized as CPU's uint8 kernel does: in float32, one axis at a time, the last
+    (W) first, then rounded to the nearest integer and cast back to uint8. Bicubic's passes are
+    each rounded and clamped to [0, 255] before the next, as CPU keeps a uint8 buffer between them
+    (its overshoot is clipped between passes, which moves values by up to tens); bilinear cannot
+    overshoot, and one final rounding keeps it within 1 of CPU's fixed-point weights."""
+    y = x.astype(jnp.float32)
+    for i in axes:
+        y = interp(y, i)
+        if cubic:
+            y = jnp.clip(jnp.round(y), 0, 255)
+    return jnp.clip(jnp.round(y), 0, 255).astype(jnp.uint8)
+
+
+_UPSAMPLE_KERNELS = {  # the CPU kernel that refuses an integer dtype, as CPU names it
+    "nearest": {1: "compute_indices_weights_nearest", 2: "upsample_nearest2d_channels_last",
+                3: "compute_indices_weights_nearest"},
+    "linear": {1: "compute_indices_weights_linear", 2: "upsample_bilinear2d_channels_last",
+               3: "compute_indices_weights_linear"},
+    "cubic": {2: "compute_indices_weights_cubic"},
+}
+
+
+def _upsample_dtype_meta(op: torch._ops.OpOverload, kernel_name: str, uint8: bool) -> Callable:
+    """torch's meta kernel of an upsample accepts any dtype; CPU's kernels take floating inputs,
+    and uint8 where ``uint8`` (nearest, bilinear and bicubic 2-D, antialiased): this stand-in raises
+    CPU's NotImplementedError (a RuntimeError subclass) for the rest, once per signature."""
+
+    def meta(self, *args, **kwargs):
+        if self.dtype in _CPU_DTYPE_NAMES and not (uint8 and self.dtype == torch.uint8):
+            raise NotImplementedError(f'"{kernel_name}" not implemented for \'{_CPU_DTYPE_NAMES[self.dtype]}\'')
+        return op(self, *args, **kwargs)
+
+    return meta
 
 
 def _register_upsample(op, n: int, kind: str):
@@ -1107,7 +1146,9 @@ def _register_upsample(op, n: int, kind: str):
         _, vjp = jax.vjp(lambda x: forward(x, list(output_size), align, scales), zeros)
         return vjp(_acc(grad_output))[0]
 
-    lower(op.default)(fwd_lowering)
+    family = "nearest" if nearest else kind
+    uint8 = nearest or n == 2
+    lower(op.default, meta=_upsample_dtype_meta(op.default, _UPSAMPLE_KERNELS[family][n], uint8))(fwd_lowering)
     lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default)(bwd_lowering)
 
 
@@ -1484,16 +1525,24 @@ def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale, kind: s
 
 
 def _upsample_aa(x, output_size, align_corners, scales_h, scales_w, kind):
-    """Separable: along W first, then H, as CPU."""
-    y = _acc(x)
+    """Separable: along W first, then H, as CPU (uint8: each pass rounded, see _uint8_passes)."""
     hp = lax.Precision.HIGHEST
     (oh, ow), (ih, iw) = output_size, x.shape[-2:]
-    if ow != iw:  # CPU skips an axis whose size is unchanged
-        mw = jnp.asarray(_aa_weights(iw, ow, align_corners, scales_w, kind), y.dtype)
-        y = jnp.einsum("...w,ow->...o", y, mw, precision=hp)
-    if oh != ih:
+    axes = [1] if ow != iw else []  # CPU skips an axis whose size is unchanged
+    axes += [0] if oh != ih else []
+
+    def interp(y, i):
+        if i == 1:
+            mw = jnp.asarray(_aa_weights(iw, ow, align_corners, scales_w, kind), y.dtype)
+            return jnp.einsum("...w,ow->...o", y, mw, precision=hp)
         mh = jnp.asarray(_aa_weights(ih, oh, align_corners, scales_h, kind), y.dtype)
-        y = jnp.einsum("...hw,oh->...ow", y, mh, precision=hp)
+        return jnp.einsum("...hw,oh->...ow", y, mh, precision=hp)
+
+    if x.dtype == jnp.uint8:
+        return _uint8_passes(x, axes, interp, kind == "cubic")
+    y = _acc(x)
+    for i in axes:
+        y = interp(y, i)
     return y
 
 
@@ -1509,7 +1558,8 @@ def _register_upsample_aa(op, kind: str):
         _, vjp = jax.vjp(lambda x: forward(x, output_size, align_corners, scales_h, scales_w), zeros)
         return vjp(_acc(grad_output))[0]
 
-    lower(op.default, static_scalars=True, check=_aa_dtype_check)(forward)
+    meta = _upsample_dtype_meta(op.default, "compute_index_ranges_weights", True)
+    lower(op.default, static_scalars=True, check=_aa_dtype_check, meta=meta)(forward)
     lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default, static_scalars=True,
           check=_aa_dtype_check)(backward)
 

@@ -18,15 +18,32 @@ from torch_tpu.runtime import fused
 
 _pending: list[tuple[Any, Any, Callable[[Any], Exception], str]] = []
 _MAX_PENDING = 256  # past this many unread checks, resolve them (a sync) rather than grow
+_queued = 0  # checks ever queued: an op's mark, so the checks of an op that then fails can go
 
 
 def defer(flag: Any, first: Any, error: Callable[[Any], Exception], site: str) -> None:
     """Queues a check run on the device: ``flag`` (any bad element), ``first`` (the first bad value
     and its flat index, both device values); ``error(value, index)`` builds the exception."""
+    global _queued
     _settle_ready()
     _pending.append((flag, first, error, site))
+    _queued += 1
     if len(_pending) > _MAX_PENDING:
         raise_pending()
+
+
+def mark() -> int:
+    """A point in the queue, taken before an op runs its value checks (see :func:`drop_since`)."""
+    return _queued
+
+
+def drop_since(point: int) -> None:
+    """Forgets the checks queued since ``point``: the op that queued them then failed (its meta
+    kernel refused a shape, as CPU does before it reads any value), so it never ran, and its checks
+    must not raise later, at an unrelated host read, in words CPU never says for that call."""
+    n = _queued - point
+    if n > 0:
+        del _pending[max(len(_pending) - n, 0):]
 
 
 def _settle_ready() -> None:
