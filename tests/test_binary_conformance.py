@@ -4,6 +4,8 @@ results ``self`` cannot hold) with CPU's words, and Python ints outside an integ
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import like_cpu
@@ -116,3 +118,16 @@ def test_in_place_op_cannot_broadcast_self():
     for base, exp in (((), (3,)), ((2,), (2, 1)), ((2, 1), (2, 2)), ((2, 2), (2, 1, 1)), ((2, 3), (3,))):
         like_cpu(lambda b, e: b.pow_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
         like_cpu(lambda b, e: b.add_(e), torch.full(base, 2.0), torch.full(exp, 3.0))
+
+
+def test_complex_logaddexp_keeps_cpus_branch_and_edges():
+    """CPU's complex logaddexp is the larger input (by real part) plus log1p(exp(smaller - larger)):
+    its imaginary part is not reduced into (-pi, pi] as a complex log's is, and the infinite and
+    NaN cases are CPU's."""
+    inf, nan = math.inf, math.nan
+    a = torch.tensor([-1.3986 + 6.6604j, 1 + 2j, complex(-inf, 1), complex(inf, 1), complex(nan, 0), complex(1, nan),
+                      complex(-inf, 2), 3 + 1j, complex(inf, 0), 100 + 1j], dtype=torch.complex128)
+    b = torch.tensor([-8.4 - 1.7j, 0.5 - 1j, complex(-inf, 2), complex(inf, 2), 1 + 0j, 2 + 0j, 5 + 1j,
+                      complex(-inf, 0), complex(inf, 0), 99 + 2j], dtype=torch.complex128)
+    like_cpu(torch.logaddexp, a, b)
+    like_cpu(torch.logaddexp, a.to(torch.complex64), b.to(torch.complex64))

@@ -287,7 +287,29 @@ def _binary_float(fn):
 lower(aten.atan2.default)(_binary_float(jnp.arctan2))
 lower(aten.hypot.default)(_binary_float(jnp.hypot))
 lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
-lower(aten.logaddexp.default)(_binary_float(jnp.logaddexp))
+
+
+def _logaddexp(a, b):
+    """jnp.logaddexp, and for complex inputs CPU's own formula: the larger by real part plus
+    ``log1p(exp(smaller - larger))``. Its imaginary part is the larger input's, not reduced to
+    (-pi, pi] as a complex log would (jnp's answer can differ by multiples of 2 pi)."""
+    if not jnp.iscomplexobj(a):
+        return jnp.logaddexp(a, b)
+    first = jnp.real(a) >= jnp.real(b)
+    hi, lo = jnp.where(first, a, b), jnp.where(first, b, a)
+    out = hi + jnp.log1p(jnp.exp(lo - hi))
+    both_inf = jnp.isinf(jnp.real(lo)) & (jnp.real(lo) == jnp.real(hi))
+    # both real parts -inf: the smaller itself; both +inf: an infinite modulus of no defined angle (CPU's inf+nanj)
+    # (inf+0j twice: inf+0j)
+    real_infs = (jnp.imag(lo) == 0) & (jnp.imag(hi) == 0)
+    plus_inf = jnp.where(real_infs, jnp.asarray(complex(np.inf, 0), out.dtype),
+                         jnp.asarray(complex(np.inf, np.nan), out.dtype))
+    out = jnp.where(both_inf, jnp.where(jnp.real(lo) < 0, lo, plus_inf), out)
+    nan = jnp.isnan(jnp.real(lo)) | jnp.isnan(jnp.imag(lo)) | jnp.isnan(jnp.real(hi)) | jnp.isnan(jnp.imag(hi))
+    return jnp.where(nan, jnp.asarray(complex(np.nan, np.nan), out.dtype), out)
+
+
+lower(aten.logaddexp.default)(_binary_float(_logaddexp))
 lower(aten.logaddexp2.default)(_binary_float(jnp.logaddexp2))
 
 
