@@ -111,3 +111,16 @@ def test_selection_along_an_empty_dim():
     like_cpu(lambda x: torch.kthvalue(x, 1, 1).values, t)
     like_cpu(lambda x: torch.median(x, 2).values, t)
     like_cpu(lambda x: torch.kthvalue(torch.arange(6.0).reshape(2, 3), 2, dim=1).values, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_logsumexp_and_logcumsumexp_on_cpus_branch(dtype):
+    """CPU's complex logsumexp shifts by the largest real part, so its imaginary part is the
+    principal log's; its logcumsumexp adds one element at a time with logaddexp's complex formula,
+    whose imaginary part is not reduced. Values with large imaginary parts tell the branches apart."""
+    x = torch.randn(4, 30, dtype=dtype, generator=torch.Generator().manual_seed(0)) * 5
+    like_cpu(lambda t: torch.logsumexp(t, 1), x)
+    like_cpu(lambda t: torch.logsumexp(t, (0, 1), keepdim=True), x)
+    like_cpu(lambda t: torch.logcumsumexp(t, 1), x)
+    like_cpu(lambda t: torch.logcumsumexp(t, 0), x)
+    like_cpu(lambda t: torch.logcumsumexp(t[0, 0], 0), x)  # 0-dim

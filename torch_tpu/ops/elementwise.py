@@ -290,11 +290,14 @@ lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
 
 
 def _logaddexp(a, b):
-    """jnp.logaddexp, and for complex inputs CPU's own formula: the larger by real part plus
-    ``log1p(exp(smaller - larger))``. Its imaginary part is the larger input's, not reduced to
-    (-pi, pi] as a complex log would (jnp's answer can differ by multiples of 2 pi)."""
-    if not jnp.iscomplexobj(a):
-        return jnp.logaddexp(a, b)
+    """jnp.logaddexp, and for complex inputs CPU's own formula (:func:`complex_logaddexp`)."""
+    return complex_logaddexp(a, b) if jnp.iscomplexobj(a) else jnp.logaddexp(a, b)
+
+
+def complex_logaddexp(a, b):
+    """CPU's complex logaddexp: the larger by real part plus ``log1p(exp(smaller - larger))``. Its
+    imaginary part is the larger input's, not reduced to (-pi, pi] as a complex log would (jnp's
+    answer can differ by multiples of 2 pi); logcumsumexp accumulates with it too."""
     first = jnp.real(a) >= jnp.real(b)
     hi, lo = jnp.where(first, a, b), jnp.where(first, b, a)
     out = hi + jnp.log1p(jnp.exp(lo - hi))

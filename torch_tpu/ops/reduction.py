@@ -20,6 +20,7 @@ from jax import lax
 from torch_tpu import _dtypes
 from torch_tpu._storage import new_tensor
 from torch_tpu.ops._registry import aten, kernel, lower
+from torch_tpu.ops.elementwise import complex_logaddexp
 from torch_tpu.ops.factories import _linspace_values
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -166,7 +167,9 @@ def logsumexp(self, dim, keepdim=False):
     axes = _axes(dim, x.ndim)
     if x.size == 0:
         return jnp.log(jnp.sum(jnp.exp(x), axis=axes, keepdims=keepdim))
-    m = jnp.max(x, axis=axes, keepdims=True)
+    # complex: shifted by the largest real part (a real number), so the imaginary part is the
+    # complex log's, in (-pi, pi], as on CPU
+    m = jnp.max(jnp.real(x) if jnp.iscomplexobj(x) else x, axis=axes, keepdims=True)
     m = jnp.where(jnp.isinf(m), jnp.zeros_like(m), m)
     out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True)) + m
     return out if keepdim else jnp.squeeze(out, axes)
@@ -402,6 +405,16 @@ def logcumsumexp(self, dim):
     y, d = _as_1d(x, dim)
     if y.shape[d] == 0:
         return x
+    if jnp.iscomplexobj(y):
+        # CPU accumulates complex values one by one with logaddexp's complex formula, whose
+        # imaginary parts are not reduced to (-pi, pi]: the same sequential scan
+        def step(acc, v):
+            acc = complex_logaddexp(acc, v)
+            return acc, acc
+
+        moved = jnp.moveaxis(y, d, 0)
+        _, out = lax.scan(step, moved[0], moved[1:])
+        return _restore(jnp.moveaxis(jnp.concatenate([moved[:1], out]), 0, d), x)
     return _restore(lax.cumlogsumexp(y, axis=d), x)
 
 
