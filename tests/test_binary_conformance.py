@@ -131,3 +131,36 @@ def test_complex_logaddexp_keeps_cpus_branch_and_edges():
                       complex(-inf, 0), complex(inf, 0), 99 + 2j], dtype=torch.complex128)
     like_cpu(torch.logaddexp, a, b)
     like_cpu(torch.logaddexp, a.to(torch.complex64), b.to(torch.complex64))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64])
+def test_integer_power_of_negative_exponents_like_cpu(dtype):
+    """CPU's integer power with a negative exponent tensor: 1 for a base of 1, +-1 by the
+    exponent's parity for -1, else 0 (XLA's integer power returned arbitrary values)."""
+    base = torch.tensor([-3, -2, -1, 0, 1, 2, 3], dtype=dtype).repeat(3)
+    exponent = torch.tensor([-3] * 7 + [-2] * 7 + [5] * 7, dtype=dtype)
+    like_cpu(torch.pow, base, exponent)
+    like_cpu(lambda e: 2 ** e, exponent)
+    like_cpu(lambda b, e: b[:, None] ** e, base, exponent)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+    lambda a, b: torch.div(a, b, rounding_mode="floor"),
+    lambda a, b: a // b,
+    lambda a, b: a % b,
+    lambda a, b: torch.fmod(a, b),
+    lambda a, b: torch.remainder(5, b),
+    lambda a, b: torch.div(a, 0, rounding_mode="trunc"),
+    lambda a, b: a.float() // b,  # floats divide by zero to infinities, as on CPU
+    lambda a, b: torch.fmod(a.float(), 0),
+], ids=["trunc", "floor", "floordiv", "mod", "fmod", "rscalar", "scalar0", "float", "float-fmod"])
+@pytest.mark.parametrize("zero", [False, True])
+def test_integer_division_broadcasts_and_refuses_zero_like_cpu(fn, zero):
+    """Integer division broadcasts (``trunc`` raised TypeError for [3, 1] by [2]) and, by a zero
+    divisor, raises CPU's "ZeroDivisionError" (at the next host read when the divisor was computed
+    on the device), where XLA returns arbitrary integers."""
+    a = torch.tensor([[7], [-7], [5]])
+    b = torch.tensor([2, 0]) if zero else torch.tensor([2, -3])
+    like_cpu(lambda a, b: fn(a, b).cpu(), a, b)
+    like_cpu(lambda a, b: fn(a, b + 0).cpu(), a, b)  # a divisor the device computed

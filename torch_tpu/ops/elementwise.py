@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_tpu import _checks as checks
 from torch_tpu.ops._registry import aten, lower
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -198,7 +199,27 @@ def _floor_div(a, b):
     return jnp.where(b == 0, a / b, fl)
 
 
-@lower(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _is_zero(xp, a):
+    """Zero divisors (a check's predicate)."""
+    return a == 0
+
+
+def _check_int_divisor(self, other, rounding_mode=None, **_):
+    """CPU refuses an integer division (floor, trunc, remainder, fmod) by zero with
+    "ZeroDivisionError", where XLA's integer division returns arbitrary values: a check of the
+    divisor's values, at the op when they are on the host (else at the next host read)."""
+    if isinstance(self, torch.Tensor) and (self.dtype.is_floating_point or self.dtype.is_complex):
+        return
+    if isinstance(other, torch.Tensor):
+        if other.dtype.is_floating_point or other.dtype.is_complex or type(self) is float:
+            return
+        checks.check_values(other, _is_zero, (), lambda v: RuntimeError("ZeroDivisionError"))
+    elif type(other) in (int, bool) and other == 0 and type(self) is not float:
+        raise RuntimeError("ZeroDivisionError")
+
+
+@lower(aten.div.Tensor, aten.div.Scalar)
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, check=_check_int_divisor)
 def div(self, other, rounding_mode=None):
     if rounding_mode is None:
         a, b = _common(self, other, floating=True)
@@ -209,17 +230,17 @@ def div(self, other, rounding_mode=None):
     if rounding_mode == "floor":
         return _floor_div(a, b)
     if _is_int(a):
-        return lax.div(a, b)  # C division truncates, as torch's 'trunc'
+        return lax.div(*jnp.broadcast_arrays(a, b))  # C division truncates, as torch's 'trunc'
     return jnp.trunc(a / b)
 
 
-@lower(aten.floor_divide.default, aten.floor_divide.Scalar)
+@lower(aten.floor_divide.default, aten.floor_divide.Scalar, check=_check_int_divisor)
 def floor_divide(self, other):
     a, b = _common(self, other)
     return _floor_div(a, b)
 
 
-@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check_int_divisor)
 def remainder(self, other):
     a, b = _common(self, other)
     if _is_int(a):
@@ -228,7 +249,7 @@ def remainder(self, other):
     return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
 
 
-@lower(aten.fmod.Tensor, aten.fmod.Scalar)
+@lower(aten.fmod.Tensor, aten.fmod.Scalar, check=_check_int_divisor)
 def fmod(self, other):
     a, b = _common(self, other)
     return jnp.fmod(a, b)
@@ -241,6 +262,13 @@ def pow_(self, exponent):
         return jnp.logical_or(a, jnp.logical_not(b))
     if jnp.iscomplexobj(a):
         return _complex_pow(a, b)
+    if _is_int(a) and jnp.issubdtype(b.dtype, jnp.signedinteger):
+        # CPU's integer power of a negative exponent: 1 for a base of 1, +-1 by parity for -1, else
+        # 0 (XLA's integer power gives arbitrary values there)
+        one = jnp.ones_like(a)
+        odd = (b % 2) != 0
+        negative = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where(odd, -one, one), jnp.zeros_like(a)))
+        return jnp.where(b < 0, negative, jnp.power(a, jnp.maximum(b, 0)))
     return jnp.power(a, b)
 
 
