@@ -63,3 +63,21 @@ def test_forward_ad_tangent_of_a_view():
     assert got_stride == want_stride
     torch.testing.assert_close(got.cpu(), want)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, weighted", [("sum", True), ("sum", False), ("mean", False), ("max", False)])
+def test_embedding_bag_half_sums_round_as_cpu(dtype, mode, weighted):
+    # CPU sums a bag in float32 and rounds once, bfloat16 ties away from zero; mean divides that
+    # rounded sum. Small dyadic per-sample weights make many weighted sums land exactly on a tie.
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(30, 8, generator=gen).to(dtype)
+    index = torch.randint(0, 30, (60,), generator=gen)
+    offsets = torch.tensor([0, 0, 3, 9, 9, 17, 30, 41])
+    psw = (torch.randint(-20, 20, (60,), generator=gen) / 16).to(dtype) if weighted else None
+    want = torch.nn.functional.embedding_bag(index, weight, offsets, mode=mode, per_sample_weights=psw)
+    got = torch.nn.functional.embedding_bag(
+        index.to("tpu"), weight.to("tpu"), offsets.to("tpu"), mode=mode,
+        per_sample_weights=None if psw is None else psw.to("tpu"))
+    assert got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)

@@ -896,6 +896,18 @@ def _bags(indices, offsets, include_last_offset):
     return jnp.clip(bag, 0, max(n_bags - 1, 0)), n_bags
 
 
+def _bag_round(acc, dtype):
+    """A bag's float32 sum in the weight's half-precision dtype, rounded as CPU's kernel (fbgemm)
+    rounds it: bfloat16 ties away from zero (it adds half a unit to the bits and cuts them), float16
+    to nearest even. Rounding ties to even instead differed from CPU in the last bit of about one
+    bag sum in twenty; CPU's ``mean`` divides this rounded sum, as here."""
+    if dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(acc.astype(jnp.float32), jnp.uint32)
+        cut = jax.lax.bitcast_convert_type((bits + 0x8000) & 0xFFFF0000, jnp.float32)
+        return jnp.where(jnp.isnan(acc), acc, cut).astype(jnp.bfloat16)
+    return acc.astype(dtype)
+
+
 def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                    per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     if indices.ndim == 2:  # fixed-size bags
@@ -928,8 +940,10 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         if include_last_offset:  # CPU sums only up to the last offset (but still counts the rest for mean)
             summed = keep & (jnp.arange(indices.shape[0]) < offsets[-1])
         out = jnp.zeros((n_bags, w.shape[1]), w.dtype).at[offset2bag].add(jnp.where(summed[:, None], rows, 0))
+        out = _bag_round(out, weight.dtype)
         if mode == 1:
-            out = out / jnp.maximum(bag_size[:n_bags], 1)[:, None].astype(w.dtype)
+            out = (out.astype(w.dtype) / jnp.maximum(bag_size[:n_bags], 1)[:, None].astype(w.dtype)).astype(
+                weight.dtype)
         max_indices = jnp.zeros((0,), jnp.int64)
     return out, offset2bag, bag_size, max_indices
 
