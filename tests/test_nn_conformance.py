@@ -81,3 +81,24 @@ def test_embedding_bag_half_sums_round_as_cpu(dtype, mode, weighted):
         per_sample_weights=None if psw is None else psw.to("tpu"))
     assert got.dtype == want.dtype
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_max_pool_picks_cpus_element_and_index(dtype):
+    # ties give the first index, NaN wins its window, -0.0 keeps its sign, padding never wins
+    x = torch.tensor([[[0.0, -0.0, 3, 3, -1, float("nan"), 2, 7, 7, -5, -0.0, 0.0]]])
+    if not dtype.is_floating_point:
+        x = torch.nan_to_num(x, nan=9)
+    x = x.to(dtype)
+    for kw in [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, dilation=3),
+               dict(kernel_size=3, stride=1, ceil_mode=True)]:
+        want = torch.nn.functional.max_pool1d(x, return_indices=True, **kw)
+        got = torch.nn.functional.max_pool1d(x.to("tpu"), return_indices=True, **kw)
+        torch.testing.assert_close(got[0].cpu(), want[0], equal_nan=True, rtol=0, atol=0)
+        real = ~want[0].float().isnan()  # a NaN's sign bit means nothing
+        assert torch.equal(got[0].cpu().float().signbit()[real], want[0].float().signbit()[real])
+        assert torch.equal(got[1].cpu(), want[1])
+    x2 = torch.randn(2, 3, 9, 8).to(dtype) if dtype.is_floating_point else torch.randint(-5, 5, (2, 3, 9, 8))
+    want = torch.nn.functional.max_pool2d(x2, 3, stride=2, padding=1, return_indices=True)
+    got = torch.nn.functional.max_pool2d(x2.to("tpu"), 3, stride=2, padding=1, return_indices=True)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -369,18 +369,21 @@ def _patches(x, n, k, s, p, d, out, fill):
         limit = [st + (o - 1) * ss + 1 for st, o, ss in zip(start, out, s)]
         slices.append(lax.slice(xp, [0] * lead + start, list(xp.shape[:lead]) + limit, [1] * lead + list(s)))
     values = jnp.stack(slices, axis=-1)
-    # flat input index of every (output position, window element)
-    flat = np.zeros(tuple(out) + (math.prod(k),), np.int64)
-    valid = np.ones_like(flat, dtype=bool)
+    # flat input index of every (output position, window element), computed in the program from
+    # iotas: as a host constant it was the size of the output times the window (a 16M-element
+    # max_pool1d embedded a 128 MB constant, and XLA took 10 s to compile it). Unused by avg pooling,
+    # whose program drops it.
+    flat = jnp.zeros((1,) * n + (math.prod(k),), jnp.int64)
+    valid = jnp.ones(flat.shape, bool)
     stride_in = 1
     for i in reversed(range(n)):
-        o = np.arange(out[i]).reshape([-1 if j == i else 1 for j in range(n)] + [1])
-        kk = np.array([offs[i] for offs in itertools.product(*[range(q) for q in k])])
+        o = jnp.arange(out[i], dtype=jnp.int64).reshape([-1 if j == i else 1 for j in range(n)] + [1])
+        kk = np.array([offs[i] for offs in itertools.product(*[range(q) for q in k])], np.int64)
         idx = o * s[i] - p[i] + kk * d[i]
-        valid &= (idx >= 0) & (idx < sizes[i])
+        valid = valid & (idx >= 0) & (idx < sizes[i])
         flat = flat + idx * stride_in
         stride_in *= sizes[i]
-    return values, np.where(valid, flat, -1)
+    return values, jnp.where(valid, flat, -1)
 
 
 def _lowest(dtype):
@@ -390,9 +393,11 @@ def _lowest(dtype):
 def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     k, s, p, d, out = _pool_params(x, n, kernel_size, stride, padding, dilation, ceil_mode)
     values, flat = _patches(x, n, k, s, p, d, out, _lowest(x.dtype))
-    arg = jnp.argmax(values, axis=-1)
-    best = jnp.take_along_axis(values, arg[..., None], axis=-1)[..., 0]
-    idx = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), values.shape), arg[..., None], axis=-1)[..., 0]
+    # the first maximum of each window (NaN counts as the largest), picked elementwise: a gather
+    # (take_along_axis) has index arrays the size of the output, which XLA constant-folds slowly
+    pick = jnp.arange(values.shape[-1]) == jnp.argmax(values, axis=-1)[..., None]
+    best = jnp.max(jnp.where(pick, values, jnp.asarray(_lowest(x.dtype), values.dtype)), axis=-1)
+    idx = jnp.sum(jnp.where(pick, flat, 0), axis=-1)
     return best, idx
 
 
