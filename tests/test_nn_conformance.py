@@ -67,7 +67,6 @@ def test_forward_ad_tangent_of_a_view():
     torch.testing.assert_close(got.cpu(), want)
 
 
-
 @pytest.mark.parametrize("loss, x_shape, y_shape", [
     (torch.nn.MultiMarginLoss(), (0,), (10,)),
     (torch.nn.MultiMarginLoss(), (10, 0), (10,)),
@@ -166,3 +165,42 @@ def test_shape_refusal_comes_before_a_host_value_check():
 
     assert "Expected non-empty vector or matrix" in message("cpu")
     assert "Expected non-empty vector or matrix" in message("tpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, weighted", [("sum", True), ("sum", False), ("mean", False), ("max", False)])
+def test_embedding_bag_half_sums_round_as_cpu(dtype, mode, weighted):
+    # CPU sums a bag in float32 and rounds once, bfloat16 ties away from zero; mean divides that
+    # rounded sum. Small dyadic per-sample weights make many weighted sums land exactly on a tie.
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(30, 8, generator=gen).to(dtype)
+    index = torch.randint(0, 30, (60,), generator=gen)
+    offsets = torch.tensor([0, 0, 3, 9, 9, 17, 30, 41])
+    psw = (torch.randint(-20, 20, (60,), generator=gen) / 16).to(dtype) if weighted else None
+    want = torch.nn.functional.embedding_bag(index, weight, offsets, mode=mode, per_sample_weights=psw)
+    got = torch.nn.functional.embedding_bag(
+        index.to("tpu"), weight.to("tpu"), offsets.to("tpu"), mode=mode,
+        per_sample_weights=None if psw is None else psw.to("tpu"))
+    assert got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_max_pool_picks_cpus_element_and_index(dtype):
+    # ties give the first index, NaN wins its window, -0.0 keeps its sign, padding never wins
+    x = torch.tensor([[[0.0, -0.0, 3, 3, -1, float("nan"), 2, 7, 7, -5, -0.0, 0.0]]])
+    if not dtype.is_floating_point:
+        x = torch.nan_to_num(x, nan=9)
+    x = x.to(dtype)
+    for kw in [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, dilation=3),
+               dict(kernel_size=3, stride=1, ceil_mode=True)]:
+        want = torch.nn.functional.max_pool1d(x, return_indices=True, **kw)
+        got = torch.nn.functional.max_pool1d(x.to("tpu"), return_indices=True, **kw)
+        torch.testing.assert_close(got[0].cpu(), want[0], equal_nan=True, rtol=0, atol=0)
+        real = ~want[0].float().isnan()  # a NaN's sign bit means nothing
+        assert torch.equal(got[0].cpu().float().signbit()[real], want[0].float().signbit()[real])
+        assert torch.equal(got[1].cpu(), want[1])
+    x2 = torch.randn(2, 3, 9, 8).to(dtype) if dtype.is_floating_point else torch.randint(-5, 5, (2, 3, 9, 8))
+    want = torch.nn.functional.max_pool2d(x2, 3, stride=2, padding=1, return_indices=True)
+    got = torch.nn.functional.max_pool2d(x2.to("tpu"), 3, stride=2, padding=1, return_indices=True)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -277,3 +277,74 @@ def test_cumulative_out_of_same_dtype_still_written():
     torch.logcumsumexp(x.to("tpu"), 0, out=out)
     torch.testing.assert_close(out.cpu(), torch.logcumsumexp(x, 0))
     assert not out.is_contiguous()
+
+
+def _close_inputs(dtype):
+    gen = torch.Generator().manual_seed(1)
+    if dtype == torch.bool:
+        return torch.rand(64, generator=gen) > 0.5, torch.rand(64, generator=gen) > 0.5
+    if not (dtype.is_floating_point or dtype.is_complex):
+        lo, hi = (0, 256) if dtype == torch.uint8 else (-100, 100)
+        a = torch.randint(lo, hi, (64,), generator=gen).to(dtype)
+        return a, torch.randint(lo, hi, (64,), generator=gen).to(dtype).where(torch.arange(64) % 2 == 0, a + 1)
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    a = torch.randn(64, generator=gen, dtype=wide)
+    b = a * (1 + 0.01 * torch.randn(64, generator=gen, dtype=torch.float64))
+    a, b = a.to(dtype), b.to(dtype)
+    a[:4], b[2:6] = float("nan"), float("nan")
+    a[8], b[8], a[9], b[10] = float("inf"), float("inf"), float("-inf"), float("inf")
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+                                   torch.int64, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize("rtol, atol", [(1e-5, 1e-8), (0.0, 0.0), (1e-2, 1e-3), (0.1, 0.0), (0.0, 120.0)])
+def test_isclose_matches_cpu(dtype, rtol, atol):
+    # integers are subtracted in the default float dtype on CPU (uint8 5 - 6 is not 255 there)
+    a, b = _close_inputs(dtype)
+    for equal_nan in (False, True):
+        want = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        got = torch.isclose(a.to("tpu"), b.to("tpu"), rtol=rtol, atol=atol, equal_nan=equal_nan)
+        assert got.dtype == torch.bool and torch.equal(got.cpu(), want)
+
+
+def test_isclose_of_integers_follows_the_default_dtype():
+    a, b = torch.tensor([2**30, 2**40, -2**62]), torch.tensor([2**30 + 1, 2**40 + 1, 2**62])
+    old = torch.get_default_dtype()
+    try:
+        for default in (torch.float32, torch.float64):
+            torch.set_default_dtype(default)
+            want = torch.isclose(a, b, rtol=0, atol=0.5)
+            assert torch.equal(torch.isclose(a.to("tpu"), b.to("tpu"), rtol=0, atol=0.5).cpu(), want)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_isclose_is_one_op_with_cpu_errors():
+    # torch's composite dispatched a dozen ops (a compiled program each, per shape); one here
+    from torch_tpu.runtime import metrics
+
+    a = torch.randn(3, 5, 2, device="tpu")
+    before = dict(metrics.metrics()["op_counts"])
+    assert bool(torch.isclose(a, a.clone()).all())
+    after = metrics.metrics()["op_counts"]
+    assert after["aten.isclose.default"] == before.get("aten.isclose.default", 0) + 1
+    assert after.get("aten.abs.default", 0) == before.get("aten.abs.default", 0)
+    assert torch.isclose(torch.ones(2, 3, device="tpu"), torch.ones(3, device="tpu")).shape == (2, 3)
+    for args, kwargs in [((torch.ones(3), torch.ones(3, dtype=torch.float64)), {}),
+                         ((torch.ones(3), torch.ones(3)), {"rtol": -1.0}),
+                         ((torch.ones(3), torch.ones(3)), {"atol": -1.0})]:
+        with pytest.raises(RuntimeError) as want:
+            torch.isclose(*args, **kwargs)
+        with pytest.raises(RuntimeError) as got:
+            torch.isclose(*(t.to("tpu") for t in args), **kwargs)
+        assert str(want.value) in str(got.value)
+
+
+def test_isclose_in_a_compiled_graph_matches_cpu():
+    # with a tpu kernel, graphs name isclose whole instead of torch's decomposition
+    fn = torch.compile(lambda a, b: torch.isclose(a, b, rtol=0.05, equal_nan=True), backend="tpu")
+    for dtype in (torch.float32, torch.int64):
+        a, b = _close_inputs(dtype)
+        want = torch.isclose(a, b, rtol=0.05, equal_nan=True)
+        assert torch.equal(fn(a.to("tpu"), b.to("tpu")).cpu(), want)

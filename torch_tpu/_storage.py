@@ -281,6 +281,61 @@ def _flat_write_program(base_shape, size, dtype) -> Program:
                    key=(("storage shape", tuple(base_shape)), ("size", tuple(size)), ("dtype", dtype)))
 
 
+def _slice_parts(plan: tuple) -> tuple[tuple, tuple]:
+    """A "slice" plan split into what its program is specialised on (per base dim the extent and
+    step of the window, or None for a fixed coordinate; the transpose; the shape) and the start
+    coordinates, which become runtime arguments."""
+    index = plan[1]
+    window = tuple((i[1] - i[0], i[2]) if isinstance(i, tuple) else None for i in index)
+    starts = tuple(i[0] if isinstance(i, tuple) else i for i in index)
+    return (window, plan[2], plan[3]), starts
+
+
+def _window(window: tuple) -> tuple[tuple, tuple]:
+    """The block a window covers (its sizes) and the strided index of the view inside it."""
+    sizes = tuple(w[0] if w is not None else 1 for w in window)
+    inner = tuple(slice(None, None, w[1]) if w is not None else 0 for w in window)
+    return sizes, inner
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_read_program(base_shape, size, parts, dtype) -> Program:
+    """A strided view that the slicing plan serves, at runtime start coordinates: one program for
+    every position of the same window (gradcheck reads a jacobian's columns, one offset each),
+    where :func:`_read_program` is specialised on the offset."""
+    window, perm, bshape = parts
+    sizes, inner = _window(window)
+
+    def run(base, *starts):
+        block = lax.dynamic_slice(base, starts, sizes)
+        return jnp.broadcast_to(jnp.transpose(block[inner], perm).reshape(bshape), size)
+
+    return Program(f"read slice {list(size)} of {list(base_shape)} at runtime offsets", run,
+                   key=(("storage shape", tuple(base_shape)), ("size", tuple(size)), ("window", parts),
+                        ("dtype", dtype)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_write_program(base_shape, size, stride, parts, dtype) -> Program:
+    """The write twin of :func:`_slice_read_program` (gradcheck writes a jacobian column per input
+    element)."""
+    window, perm, _ = parts
+    sizes, inner = _window(window)
+    kept = [j for j, (n, s) in enumerate(zip(size, stride)) if n != 1 and s != 0]
+    pick = tuple(slice(None) if j in kept else 0 for j in range(len(size)))
+    back = tuple(np.argsort(perm))
+
+    def run(base, value, *starts):
+        value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), size)
+        sub = jnp.transpose(value[pick], back)
+        block = lax.dynamic_slice(base, starts, sizes).at[inner].set(sub)
+        return lax.dynamic_update_slice(base, block, starts)
+
+    return Program(f"write slice {list(size)} into {list(base_shape)} at runtime offsets", run,
+                   key=(("storage shape", tuple(base_shape)), ("size", tuple(size)), ("stride", tuple(stride)),
+                        ("window", parts), ("dtype", dtype)))
+
+
 def _alias_geometry(base_shape, base_dtype, view_dtype):
     """How a view with another element type sees a storage: (its base shape in view elements, its
     jax dtype, base -> view-typed base, view-typed base -> base). Only the complex/real pairs that
@@ -410,9 +465,14 @@ def read(t: torch.Tensor) -> Any:
             return base_array(st)
         return a
     geometry = (st._shape, tuple(size), tuple(t.stride()), t.storage_offset())
-    if _plan(*geometry)[0] == "flat":
+    plan = _plan(*geometry)
+    if plan[0] == "flat":
         return execute(_flat_read_program(st._shape, tuple(size), _dtypes.to_jax(st._dtype)), base_array(st),
                        geometry[3])
+    if plan[0] == "slice":
+        parts, starts = _slice_parts(plan)
+        return execute(_slice_read_program(st._shape, tuple(size), parts, _dtypes.to_jax(st._dtype)),
+                       base_array(st), *starts)
     prog = _read_program(*geometry, _dtypes.to_jax(st._dtype))
     return execute(prog, base_array(st))
 
@@ -438,8 +498,14 @@ def write(t: torch.Tensor, value: Any) -> None:
             _replace(st, execute(_fill_program(tuple(size), jdt), value))
         return
     geometry = (st._shape, tuple(size), tuple(t.stride()), t.storage_offset())
-    if _plan(*geometry)[0] == "flat":
+    plan = _plan(*geometry)
+    if plan[0] == "flat":
         _replace(st, execute(_flat_write_program(st._shape, tuple(size), jdt), base_array(st), geometry[3], value))
+        return
+    if plan[0] == "slice":
+        parts, starts = _slice_parts(plan)
+        prog = _slice_write_program(st._shape, tuple(size), geometry[2], parts, jdt)
+        _replace(st, execute(prog, base_array(st), value, *starts))
         return
     prog = _write_program(*geometry, jdt)
     _replace(st, execute(prog, base_array(st), value))

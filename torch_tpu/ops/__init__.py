@@ -2,6 +2,7 @@
 
 from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
     amp,
+    closeness,
     conv,
     elementwise,
     factories,

@@ -369,18 +369,21 @@ def _patches(x, n, k, s, p, d, out, fill):
         limit = [st + (o - 1) * ss + 1 for st, o, ss in zip(start, out, s)]
         slices.append(lax.slice(xp, [0] * lead + start, list(xp.shape[:lead]) + limit, [1] * lead + list(s)))
     values = jnp.stack(slices, axis=-1)
-    # flat input index of every (output position, window element)
-    flat = np.zeros(tuple(out) + (math.prod(k),), np.int64)
-    valid = np.ones_like(flat, dtype=bool)
+    # flat input index of every (output position, window element), computed in the program from
+    # iotas: as a host constant it was the size of the output times the window (a 16M-element
+    # max_pool1d embedded a 128 MB constant, and XLA took 10 s to compile it). Unused by avg pooling,
+    # whose program drops it.
+    flat = jnp.zeros((1,) * n + (math.prod(k),), jnp.int64)
+    valid = jnp.ones(flat.shape, bool)
     stride_in = 1
     for i in reversed(range(n)):
-        o = np.arange(out[i]).reshape([-1 if j == i else 1 for j in range(n)] + [1])
-        kk = np.array([offs[i] for offs in itertools.product(*[range(q) for q in k])])
+        o = jnp.arange(out[i], dtype=jnp.int64).reshape([-1 if j == i else 1 for j in range(n)] + [1])
+        kk = np.array([offs[i] for offs in itertools.product(*[range(q) for q in k])], np.int64)
         idx = o * s[i] - p[i] + kk * d[i]
-        valid &= (idx >= 0) & (idx < sizes[i])
+        valid = valid & (idx >= 0) & (idx < sizes[i])
         flat = flat + idx * stride_in
         stride_in *= sizes[i]
-    return values, np.where(valid, flat, -1)
+    return values, jnp.where(valid, flat, -1)
 
 
 def _lowest(dtype):
@@ -390,9 +393,11 @@ def _lowest(dtype):
 def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     k, s, p, d, out = _pool_params(x, n, kernel_size, stride, padding, dilation, ceil_mode)
     values, flat = _patches(x, n, k, s, p, d, out, _lowest(x.dtype))
-    arg = jnp.argmax(values, axis=-1)
-    best = jnp.take_along_axis(values, arg[..., None], axis=-1)[..., 0]
-    idx = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), values.shape), arg[..., None], axis=-1)[..., 0]
+    # the first maximum of each window (NaN counts as the largest), picked elementwise: a gather
+    # (take_along_axis) has index arrays the size of the output, which XLA constant-folds slowly
+    pick = jnp.arange(values.shape[-1]) == jnp.argmax(values, axis=-1)[..., None]
+    best = jnp.max(jnp.where(pick, values, jnp.asarray(_lowest(x.dtype), values.dtype)), axis=-1)
+    idx = jnp.sum(jnp.where(pick, flat, 0), axis=-1)
     return best, idx
 
 
@@ -896,6 +901,18 @@ def _bags(indices, offsets, include_last_offset):
     return jnp.clip(bag, 0, max(n_bags - 1, 0)), n_bags
 
 
+def _bag_round(acc, dtype):
+    """A bag's float32 sum in the weight's half-precision dtype, rounded as CPU's kernel (fbgemm)
+    rounds it: bfloat16 ties away from zero (it adds half a unit to the bits and cuts them), float16
+    to nearest even. Rounding ties to even instead differed from CPU in the last bit of about one
+    bag sum in twenty; CPU's ``mean`` divides this rounded sum, as here."""
+    if dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(acc.astype(jnp.float32), jnp.uint32)
+        cut = jax.lax.bitcast_convert_type((bits + 0x8000) & 0xFFFF0000, jnp.float32)
+        return jnp.where(jnp.isnan(acc), acc, cut).astype(jnp.bfloat16)
+    return acc.astype(dtype)
+
+
 def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                    per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     if indices.ndim == 2:  # fixed-size bags
@@ -928,8 +945,10 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         if include_last_offset:  # CPU sums only up to the last offset (but still counts the rest for mean)
             summed = keep & (jnp.arange(indices.shape[0]) < offsets[-1])
         out = jnp.zeros((n_bags, w.shape[1]), w.dtype).at[offset2bag].add(jnp.where(summed[:, None], rows, 0))
+        out = _bag_round(out, weight.dtype)
         if mode == 1:
-            out = out / jnp.maximum(bag_size[:n_bags], 1)[:, None].astype(w.dtype)
+            out = (out.astype(w.dtype) / jnp.maximum(bag_size[:n_bags], 1)[:, None].astype(w.dtype)).astype(
+                weight.dtype)
         max_indices = jnp.zeros((0,), jnp.int64)
     return out, offset2bag, bag_size, max_indices
 
