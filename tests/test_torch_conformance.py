@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import like_cpu
 
 import torch_tpu  # noqa: F401
 
@@ -348,3 +349,31 @@ def test_isclose_in_a_compiled_graph_matches_cpu():
         a, b = _close_inputs(dtype)
         want = torch.isclose(a, b, rtol=0.05, equal_nan=True)
         assert torch.equal(fn(a.to("tpu"), b.to("tpu")).cpu(), want)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, i, s: x.index_add(0, i[:, 0], s),
+    lambda x, i, s: x.put(i[:, 0], s[:, 0], accumulate=True),
+    lambda x, i, s: x.index_put((i[:, 0],), s, accumulate=True),
+    lambda x, i, s: x.scatter_add(0, i, s),
+    lambda x, i, s: x.scatter_reduce(0, i, s, "sum", include_self=False),
+    lambda x, i, s: x.scatter_reduce(0, i, s, "sum"),
+    lambda x, i, s: x.scatter_reduce(0, i, s, "prod", include_self=False),
+    lambda x, i, s: x.scatter_reduce(0, i, s, "amin", include_self=False),
+    lambda x, i, s: x.scatter_reduce(0, i, s, "amax"),
+], ids=["index_add", "put", "index_put", "scatter_add", "sum", "sum-self", "prod", "amin", "amax"])
+def test_accumulating_into_bool_tensors_like_cpu(fn):
+    """Sums into a bool tensor saturate (a logical or), products are ands, and include_self=False
+    starts from the reduction's identity, as on CPU (XLA refused to add bools, and a bool sum
+    ignored include_self)."""
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.rand(4, 3, generator=g) > 0.5, torch.rand(4, 3, generator=g) > 0.5
+    i = torch.randint(0, 4, (4, 3), generator=g)
+    like_cpu(fn, x, i, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float32])
+def test_dropout_backward_of_an_integer_gradient_is_float_like_cpu(dtype):
+    g = torch.tensor([1, 1, 0, 3]).to(dtype)
+    mask = torch.tensor([True, False, True, True])
+    like_cpu(lambda g, m: torch.ops.aten.native_dropout_backward(g, m, 2.0), g, mask)

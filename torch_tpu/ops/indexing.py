@@ -96,9 +96,17 @@ def _identity(reduce: str, dtype):
         return jnp.zeros((), dtype)
     if reduce in ("prod", "multiply"):
         return jnp.ones((), dtype)
+    if dtype == jnp.bool_:
+        return jnp.asarray(reduce != "amax", dtype)
     big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
     small = -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
     return jnp.asarray(small if reduce == "amax" else big, dtype)
+
+
+def _add_at(ref, src):
+    """``ref.add(src)`` (``ref`` an ``x.at[key]``), where adding bools is a logical or, as CPU's
+    accumulation into a bool tensor saturates at True (XLA refuses to add bools)."""
+    return ref.max(src) if src.dtype == jnp.bool_ else ref.add(src)
 
 
 def _reduce_into(self, key: tuple, src, reduce: str, include_self: bool):
@@ -107,9 +115,9 @@ def _reduce_into(self, key: tuple, src, reduce: str, include_self: bool):
     base = self if include_self else self.at[key].set(_identity(reduce, self.dtype))
     ref = base.at[key]
     if reduce in ("sum", "add", "mean"):
-        out = ref.add(src)
+        out = _add_at(ref, src)
     elif reduce in ("prod", "multiply"):
-        out = ref.multiply(src)
+        out = ref.min(src) if src.dtype == jnp.bool_ else ref.multiply(src)  # a bool product is an and
     elif reduce == "amax":
         out = ref.max(src)
     elif reduce == "amin":
@@ -293,7 +301,7 @@ def _unsafe_masked_index(self, mask, indices, fill):
 @lower(aten._unsafe_masked_index_put_accumulate)
 def _unsafe_masked_index_put_accumulate(self, mask, indices, values):
     key = _key([None if i is None else jnp.where(mask, i, 0) for i in indices])
-    return self.at[key].add(jnp.where(mask, values, 0).astype(self.dtype))
+    return _add_at(self.at[key], jnp.where(mask, values, 0).astype(self.dtype))
 
 
 # ------------------------------------------------------------------------- index_select & co
@@ -343,9 +351,7 @@ def _scatter_with(self, dim, index, src, reduce: str | None, include_self: bool 
     src = _fit(_as_1d(src), index.shape) if jnp.ndim(src) else jnp.broadcast_to(src, index.shape)
     if reduce is None:
         out = x.at[key].set(src.astype(x.dtype))
-    elif x.dtype == jnp.bool_ and reduce in ("add", "sum"):  # bool addition is logical or, as on CPU
-        out = x.astype(jnp.int32).at[key].add(src.astype(jnp.int32)) != 0
-    else:
+    else:  # bool sums are logical ors (_reduce_into), as on CPU
         out = _reduce_into(x, key, src, reduce, include_self)
     return out.reshape(shape)
 
@@ -395,7 +401,7 @@ def _along_dim(self, dim, index, update):
 @lower(aten.index_add, check=_index_dim_check("index_add()"))
 def index_add(self, dim, index, source, alpha=None):
     x, key, src = _along_dim(self, dim, index, source if alpha is None else source * alpha)
-    return x.at[key].add(src).reshape(self.shape)
+    return _add_at(x.at[key], src.astype(x.dtype)).reshape(self.shape)
 
 
 @lower(aten.index_copy, check=_index_dim_check("index_copy()", IndexError))
@@ -438,7 +444,7 @@ def take(self, index):
 def put(self, index, source, accumulate=False):
     ref = self.reshape(-1).at[index.reshape(-1)]
     src = source.reshape(-1).astype(self.dtype)
-    return (ref.add(src) if accumulate else ref.set(src)).reshape(self.shape)
+    return (_add_at(ref, src) if accumulate else ref.set(src)).reshape(self.shape)
 
 
 # ------------------------------------------------------------------------------ masked ops

@@ -283,7 +283,9 @@ def native_dropout(key, input, p, train):
 
 @lower(aten.native_dropout_backward)
 def native_dropout_backward(grad_output, mask, scale):
-    return grad_output * mask.astype(grad_output.dtype) * jnp.asarray(scale).astype(grad_output.dtype)
+    # an integer or bool gradient times the float scale is float32 on CPU, computed in float32
+    dt = grad_output.dtype if jnp.issubdtype(grad_output.dtype, jnp.inexact) else jnp.float32
+    return grad_output.astype(dt) * mask.astype(dt) * jnp.asarray(scale).astype(dt)
 
 
 
