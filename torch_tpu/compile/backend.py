@@ -597,7 +597,7 @@ _PLAIN_CPU = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloa
                         torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bool = False) -> Callable:
+def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """One graph AOTAutograd hands over (a forward, a backward, or an inference graph such as an
     optimizer step) as the function AOTAutograd calls per step.
 
@@ -606,10 +606,11 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
     travel as one vector per dtype, not as an array each: the trace then has 2 inputs where
     AdamW has one per parameter, each of which costs a host-to-device transfer per step.
 
-    ``reduce_overhead`` (``mode="reduce-overhead"``): once the graph has one program and no
-    symbolic sizes, calls trust Dynamo's guards (and, for a backward, the autograd engine's checks)
-    for the inputs' shapes, dtypes and devices instead of building and looking up the input
-    signature each time; the inputs' storages are still checked as in the default mode.
+    Once the graph has one program and no symbolic sizes, calls trust Dynamo's guards (and, for a
+    backward, the autograd engine's checks of its gradients) for the inputs' shapes, dtypes and
+    devices instead of building and looking up the input signature each time: a guard that fails
+    recompiles, so a call never sees another signature. The inputs' storages (views, offsets,
+    pending values) are still checked at every call. A graph capture checks every input.
     """
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
@@ -629,9 +630,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, reduce_overhead: bo
     out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
     checks = fn.checks
     Lazy = fused.Lazy
-    trusted: list[Program] = []  # reduce-overhead: the one program, once Dynamo's guards stand for its key
-    kinds: list[int] = []  # reduce-overhead: per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
-    can_trust = reduce_overhead and not symbols
+    trusted: list[Program] = []  # the one program, once Dynamo's guards stand for its key
+    kinds: list[int] = []  # per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
+    can_trust = not symbols
 
     def program_for(key: list) -> Program:
         """The program for this input signature, built on first sight."""
@@ -889,8 +890,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     registered backend ``mode`` unless it is ``"default"``). Every mode compiles the same XLA
     program: XLA makes its own fusion and tuning choices. Every mode also replays a training step's
     program once it repeats (one executable call, see ``fused._Template``), which is what CUDA
-    graphs give ``"reduce-overhead"`` on CUDA; ``"reduce-overhead"`` here further trusts Dynamo's
-    guards for the graphs' input signatures (see :func:`_compile`). Unlike CUDA graphs, no mode
+    graphs give ``"reduce-overhead"`` on CUDA, and trusts Dynamo's guards for the graphs' input
+    signatures (see :func:`_compile`). Unlike CUDA graphs, no mode
     overwrites earlier outputs: each call's outputs are new tensors, so values kept from one step
     stay valid after the next. ``options`` are inductor's settings; none means anything here, so
     they raise rather than be ignored."""
@@ -909,9 +910,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     _no_inductor_for_optimizer_guards()
     _no_guard_latency_profile()
     try:
-        compiler = functools.partial(_compile, reduce_overhead=True) if mode == "reduce-overhead" else _compile
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler, decompositions=_decompositions(),
+            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
             keep_inference_input_mutations=True,
         )
     except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
