@@ -164,3 +164,32 @@ def test_integer_division_broadcasts_and_refuses_zero_like_cpu(fn, zero):
     b = torch.tensor([2, 0]) if zero else torch.tensor([2, -3])
     like_cpu(lambda a, b: fn(a, b).cpu(), a, b)
     like_cpu(lambda a, b: fn(a, b + 0).cpu(), a, b)  # a divisor the device computed
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+    lambda a, b: torch.div(a, b, rounding_mode="floor"),
+    lambda a, b: a // b,
+    lambda a, b: a // True,
+    lambda a, b: a % b,
+    lambda a, b: torch.remainder(True, b),
+    lambda a, b: torch.fmod(a, b),
+    lambda a, b: a.clone().remainder_(b),
+    lambda a, b: a % 2,  # bool and int: an int64 remainder, which CPU computes
+    lambda a, b: torch.fmod(a, 1),
+], ids=["trunc", "floor", "floordiv", "floordiv-scalar", "mod", "rscalar", "fmod", "inplace", "int-mod",
+        "int-fmod"])
+def test_integer_division_of_bools_is_refused_as_on_cpu(fn):
+    """CPU has no bool kernel for an integer division: NotImplementedError naming the kernel
+    ('"remainder_cpu" not implemented for 'Bool''), not the zero-divisor check that a False divisor
+    would trip, nor torch's reference's RuntimeError."""
+    a = torch.tensor([True, False, True])
+    b = torch.tensor([True, True, False])
+    like_cpu(lambda a, b: fn(a, b).cpu(), a, b)
+
+
+@pytest.mark.parametrize("divisor", [0, torch.tensor([0, 2])], ids=["scalar", "tensor"])
+def test_true_division_of_integers_by_zero_is_infinite_as_on_cpu(divisor):
+    """``rounding_mode=None`` is true division, float's rules: no zero-divisor refusal."""
+    like_cpu(lambda a: torch.div(a, divisor if type(divisor) is int else divisor.to(a.device),
+                                 rounding_mode=None).cpu(), torch.tensor([1, -3]))

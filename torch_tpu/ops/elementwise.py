@@ -11,6 +11,7 @@ compute in a wider type. Two rules keep values equal to CPU's:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -204,12 +205,19 @@ def _is_zero(xp, a):
     return a == 0
 
 
-def _check_int_divisor(self, other, rounding_mode=None, **_):
-    """CPU refuses an integer division (floor, trunc, remainder, fmod) by zero with
-    "ZeroDivisionError", where XLA's integer division returns arbitrary values: a check of the
-    divisor's values, at the op when they are on the host (else at the next host read)."""
+def _is_bool(x: Any) -> bool:
+    return x.dtype is torch.bool if isinstance(x, torch.Tensor) else type(x) is bool
+
+
+def _check_int_division(kernel: str, self: Any, other: Any) -> None:
+    """CPU's refusals of an integer division (floor, trunc, remainder, fmod), before XLA's
+    integer division returns arbitrary values for them: bool operands (CPU has no bool kernel:
+    NotImplementedError naming it), and a zero divisor ("ZeroDivisionError"), checked at the op
+    when the divisor's values are on the host, else at the next host read."""
     if isinstance(self, torch.Tensor) and (self.dtype.is_floating_point or self.dtype.is_complex):
         return
+    if _is_bool(self) and _is_bool(other):
+        raise NotImplementedError(f'"{kernel}" not implemented for \'Bool\'')
     if isinstance(other, torch.Tensor):
         if other.dtype.is_floating_point or other.dtype.is_complex or type(self) is float:
             return
@@ -218,8 +226,25 @@ def _check_int_divisor(self, other, rounding_mode=None, **_):
         raise RuntimeError("ZeroDivisionError")
 
 
+def _check_div_mode(self: Any, other: Any, rounding_mode: str | None = None, **_: Any) -> None:
+    if rounding_mode is not None:  # true division of integers is float's: x / 0 is inf
+        _check_int_division(f"div_{rounding_mode}_cpu", self, other)
+
+
+def _check_floor_divide(self: Any, other: Any, **_: Any) -> None:
+    _check_int_division("div_floor_cpu", self, other)
+
+
+def _check_remainder(self: Any, other: Any, **_: Any) -> None:
+    _check_int_division("remainder_cpu", self, other)
+
+
+def _check_fmod(self: Any, other: Any, **_: Any) -> None:
+    _check_int_division("fmod_cpu", self, other)
+
+
 @lower(aten.div.Tensor, aten.div.Scalar)
-@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, check=_check_int_divisor)
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, check=_check_div_mode)
 def div(self, other, rounding_mode=None):
     if rounding_mode is None:
         a, b = _common(self, other, floating=True)
@@ -234,13 +259,13 @@ def div(self, other, rounding_mode=None):
     return jnp.trunc(a / b)
 
 
-@lower(aten.floor_divide.default, aten.floor_divide.Scalar, check=_check_int_divisor)
+@lower(aten.floor_divide.default, aten.floor_divide.Scalar, check=_check_floor_divide)
 def floor_divide(self, other):
     a, b = _common(self, other)
     return _floor_div(a, b)
 
 
-@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check_int_divisor)
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check_remainder)
 def remainder(self, other):
     a, b = _common(self, other)
     if _is_int(a):
@@ -249,7 +274,7 @@ def remainder(self, other):
     return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
 
 
-@lower(aten.fmod.Tensor, aten.fmod.Scalar, check=_check_int_divisor)
+@lower(aten.fmod.Tensor, aten.fmod.Scalar, check=_check_fmod)
 def fmod(self, other):
     a, b = _common(self, other)
     return jnp.fmod(a, b)
