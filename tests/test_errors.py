@@ -312,3 +312,16 @@ def test_zero_batch_gives_empty_results_and_gradients(f):
     assert out.shape == expected.shape
     out.sum().backward()
     assert t.grad.shape == x.shape
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("move", [
+    lambda: torch.zeros(2, dtype=torch.complex32).to("tpu"),
+    lambda: torch.zeros(2, dtype=torch.complex32, device="tpu"),
+    lambda: torch.zeros(2, dtype=torch.complex64, device="tpu").to(torch.complex32),
+], ids=["upload", "factory", "cast"])
+def test_a_dtype_the_device_lacks_is_named_however_it_arrives(move):
+    """complex32 has no XLA type: a TypeError naming it, also for an upload, where numpy's own
+    message ("Got unsupported ScalarType ComplexHalf") named neither the dtype nor the device."""
+    with pytest.raises(TypeError, match="torch.complex32 is not supported on the tpu device"):
+        move()

@@ -55,6 +55,8 @@ def to_torch(dtype) -> torch.dtype:
 def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A contiguous numpy array with the exact bits of a CPU tensor (bfloat16 included)."""
     t = t.detach().contiguous()
+    if t.dtype not in TORCH_TO_JAX:
+        to_jax(t.dtype)  # the dtype named, where numpy says "Got unsupported ScalarType ComplexHalf"
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.resolve_conj().resolve_neg().numpy()
