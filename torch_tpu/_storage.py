@@ -567,6 +567,7 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
     so it neither transfers nor waits behind the step the device is still running.
     """
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
+        data.flags.writeable = False  # handed to readers as it is (host_copy)
         key = id(array)
         _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set())
 
@@ -579,7 +580,10 @@ def host_copy(t: torch.Tensor) -> np.ndarray | None:
     kept = _HOST_COPIES.get(id(a)) if a is not None else None
     if kept is None or kept[0]() is not a or t.dtype != st._dtype:
         return None
-    flat = kept[1].reshape(-1)
+    data = kept[1]
+    if not t.storage_offset() and t.shape == data.shape and t.is_contiguous():
+        return data  # the whole array, read-only: no strided view to build (most index tensors)
+    flat = data.reshape(-1)
     strides = tuple(s * flat.itemsize for s in t.stride())
     return np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape), strides, writeable=False)
 
