@@ -704,7 +704,8 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
 
 # CPU's own kernel on zero-filled stand-ins gives the shape checks CPU makes, as RuntimeErrors with
 # CPU's words (torch's Python meta kernels assert instead), and accepts a uint8 target as CPU does.
-for _fwd, _bwd in ((aten.nll_loss_forward, aten.nll_loss_backward), (aten.nll_loss2d_forward, aten.nll_loss2d_backward)):
+for _fwd, _bwd in ((aten.nll_loss_forward, aten.nll_loss_backward),
+                   (aten.nll_loss2d_forward, aten.nll_loss2d_backward)):
     lower(_fwd.default, check=_check_nll_target, meta=cpu_meta(_fwd))(_nll_forward)
     lower(_bwd.default, meta=cpu_meta(_bwd))(_nll_backward)
 
