@@ -475,12 +475,12 @@ _RESIZED = ("An output with one or more elements was resized since it had shape 
             "it, inplace, to zero elements with t.resize_(0).")
 
 
-# Ops whose CPU kernels (TensorIterator's, the BLAS ones) refuse to write into a tensor with
+# Ops whose CPU kernels (TensorIterator's, mm and addmm, not bmm and baddbmm) refuse to write into a tensor with
 # internal overlap although torch does not tag them pointwise. threshold_ is left out on purpose,
 # as on CPU: writing it twice is harmless (it is idempotent).
 _ALSO_OVERLAP_CHECKED = frozenset((
     "mish", "hardswish", "hardsigmoid", "hardtanh", "softplus", "softshrink", "hardshrink", "elu", "celu",
-    "selu", "rrelu_with_noise", "leaky_relu", "gelu", "silu", "addmm", "mm", "bmm", "baddbmm", "addmv", "addr",
+    "selu", "rrelu_with_noise", "leaky_relu", "gelu", "silu", "addmm", "mm", "addmv", "addr",
     "scatter", "scatter_add", "copy",
 ))
 _OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single "
