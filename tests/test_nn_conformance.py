@@ -204,3 +204,140 @@ def test_max_pool_picks_cpus_element_and_index(dtype):
     want = torch.nn.functional.max_pool2d(x2, 3, stride=2, padding=1, return_indices=True)
     got = torch.nn.functional.max_pool2d(x2.to("tpu"), 3, stride=2, padding=1, return_indices=True)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def _cpu_and_tpu_error(fn):
+    """(type, message) that ``fn(device)`` raises on CPU and on tpu."""
+    got = []
+    for dev in ("cpu", "tpu"):
+        with pytest.raises(Exception) as info:
+            fn(dev)
+        got.append((type(info.value), str(info.value)))
+    return got
+
+
+@pytest.mark.parametrize("name, write", [
+    ("elu_", lambda x: torch.nn.functional.elu_(x)),
+    ("silu", lambda x: torch.nn.functional.silu(x, inplace=True)),
+    ("mish", lambda x: torch.nn.functional.mish(x, inplace=True)),
+    ("hardswish", lambda x: torch.nn.functional.hardswish(x, inplace=True)),
+    ("leaky_relu_", lambda x: torch.nn.functional.leaky_relu_(x)),
+    ("softplus out", lambda x: torch._C._nn.softplus(x.clone(), out=x)),
+    ("add_", lambda x: x.add_(1)),
+    ("uniform_", lambda x: x.uniform_()),
+])
+def test_writing_into_an_expanded_tensor_is_refused_as_on_cpu(name, write):
+    # one element of an expanded tensor stands for a whole row: CPU refuses to write it
+    (cpu_type, cpu_msg), (tpu_type, tpu_msg) = _cpu_and_tpu_error(
+        lambda dev: write(torch.randn(1, 6, device=dev).expand(6, 6)))
+    assert cpu_type is tpu_type is RuntimeError
+    assert cpu_msg.startswith("unsupported operation") and cpu_msg in tpu_msg
+
+
+@pytest.mark.parametrize("name, write", [
+    ("threshold_", lambda x: torch.nn.functional.threshold_(x, 0.5, 0.5)),
+    ("masked_fill_", lambda x: x.masked_fill_(torch.zeros(6, 6, dtype=torch.bool, device=x.device), 1.0)),
+    ("fill_", lambda x: x.fill_(2.0)),
+])
+def test_writes_cpu_allows_into_an_expanded_tensor(name, write):
+    # idempotent or fill-like writes are let through on CPU, so they are here
+    for dev in ("cpu", "tpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            write(torch.randn(1, 6, device=dev).expand(6, 6))
+
+
+@pytest.mark.parametrize("forward", [
+    lambda a: torch.nn.functional.elu_(a, alpha=-2),
+    lambda a: torch.nn.functional.celu_(a, alpha=-2),
+    lambda a: torch.nn.functional.leaky_relu_(a, -2),
+    lambda a: torch.nn.functional.rrelu_(a, -5.0, 1.0),
+])
+def test_in_place_activation_with_negative_slope_refuses_backward(forward):
+    def run(dev):
+        a = torch.tensor([-1.0, 1.0], device=dev, requires_grad=True)
+        forward(a.clone()).backward(torch.ones(2, device=dev))
+
+    (cpu_type, cpu_msg), (tpu_type, tpu_msg) = _cpu_and_tpu_error(run)
+    assert cpu_type is tpu_type is RuntimeError and cpu_msg in tpu_msg
+
+
+def test_in_place_leaky_relu_with_zero_slope_has_cpu_gradient():
+    def grad(dev, dtype):
+        a = torch.tensor([-2.0, 0.0, 2.0], device=dev, dtype=dtype, requires_grad=True)
+        torch.nn.functional.leaky_relu_(a.clone(), 0.0).backward(torch.ones(3, device=dev, dtype=dtype))
+        return a.grad
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.testing.assert_close(grad("tpu", dtype).cpu(), grad("cpu", dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hardswish_gradient_at_the_ends_of_its_ramp(dtype):
+    def grad(dev):
+        x = torch.tensor([-3.5, -3.0, -1.0, 0.0, 1.0, 3.0, 3.5], device=dev, dtype=dtype, requires_grad=True)
+        torch.nn.functional.hardswish(x).sum().backward()
+        return x.grad
+
+    torch.testing.assert_close(grad("tpu").cpu(), grad("cpu"))
+
+
+@pytest.mark.parametrize("target_shape, weight_shape", [((10, 2), None), ((10,), (4,)), ((10,), (1, 3)), ((3,), None)])
+def test_nll_loss_shape_errors_in_cpu_words(target_shape, weight_shape):
+    def run(dev):
+        x = torch.randn(10, 3, device=dev)
+        t = torch.zeros(target_shape, dtype=torch.long, device=dev)
+        w = None if weight_shape is None else torch.ones(weight_shape, device=dev)
+        torch.nn.functional.nll_loss(x, t, weight=w)
+
+    (cpu_type, cpu_msg), (tpu_type, tpu_msg) = _cpu_and_tpu_error(run)
+    assert tpu_type is cpu_type and cpu_msg in tpu_msg
+
+
+def test_nll_loss_takes_a_uint8_target_as_cpu():
+    x = torch.randn(10, 4).log_softmax(-1)
+    t = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1], dtype=torch.uint8)
+    for reduction in ("none", "mean", "sum"):
+        xt = x.to("tpu").requires_grad_()
+        xc = x.clone().requires_grad_()
+        got = torch.nn.functional.nll_loss(xt, t.to("tpu"), reduction=reduction)
+        want = torch.nn.functional.nll_loss(xc, t, reduction=reduction)
+        torch.testing.assert_close(got.cpu(), want)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+
+
+def test_ctc_loss_refuses_empty_log_probs():
+    def run(dev):
+        empty = torch.tensor([], device=dev, dtype=torch.long)
+        torch.nn.functional.ctc_loss(torch.rand(0, 0, 4, device=dev), empty, empty, empty, reduction="none")
+
+    (cpu_type, cpu_msg), (tpu_type, tpu_msg) = _cpu_and_tpu_error(run)
+    assert cpu_type is tpu_type is RuntimeError and cpu_msg in tpu_msg
+
+
+def test_ctc_loss_with_every_target_empty():
+    # each loss is then the blank path's: minus the sum of the blank log-probs
+    log_probs = torch.randn(20, 3, 6, dtype=torch.double).log_softmax(2)
+    for lengths, targets in (([0, 0, 0], torch.zeros(0, dtype=torch.long)), ([0, 4, 0], torch.tensor([1, 2, 2, 5]))):
+        want = torch.nn.functional.ctc_loss(log_probs, targets, [20, 20, 20], lengths, reduction="none")
+        got = torch.nn.functional.ctc_loss(log_probs.to("tpu"), targets.to("tpu"), [20, 20, 20], lengths,
+                                           reduction="none")
+        torch.testing.assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU])
+def test_rnn_cells_pass_gradcheck_with_and_without_bias(cell, bias):
+    # gradcheck also calls the backward with undefined output gradients, which a fused cell
+    # must answer with undefined input gradients; bias=False cells have no biases at all
+    torch.manual_seed(0)
+    mod = cell(3, 3, bias=bias).double().to("tpu")
+    x = torch.rand(1, 2, 3, dtype=torch.double, device="tpu", requires_grad=True)
+
+    def flat(inp):
+        out, hidden = mod(inp)
+        return (out, *hidden) if isinstance(hidden, tuple) else (out, hidden)
+
+    assert torch.autograd.gradcheck(flat, (x,), check_batched_grad=False)

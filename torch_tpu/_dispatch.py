@@ -229,6 +229,7 @@ class _OpKernel:
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
         self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
         self.single = len(schema.returns) == 1 and not self.returns_list
+        self.checks_overlap = kind != "functional" and _checks_overlap(op)
         # signature -> (program, per result (shape, dtype) or None when undefined, True when every
         # result is defined, contiguous and of the meta kernel's shape, a list of per-result layouts
         # (``_layout``) when some are strided, else False)
@@ -249,6 +250,9 @@ class _OpKernel:
                 verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)
                 if isinstance(verdict, BaseException):  # an out dtype CPU refuses, with CPU's words
                     raise_named(verdict, f"{self.name}({sig})")
+        if self.checks_overlap:
+            written = [args[0]] if self.kind == "inplace" else [kwargs.get(n) for n in self.out_names]
+            _check_no_internal_overlap(written, f"{self.name}({sig})")
         if self.kind == "inplace":
             _check_inplace_cast(self.op, args, kwargs, sig)
             metas = list(to_meta(args[0])) if isinstance(args[0], (list, tuple)) else [to_meta(args[0])]
@@ -469,6 +473,37 @@ _RESIZED = ("An output with one or more elements was resized since it had shape 
             "required output shape {}. This behavior is deprecated, and in a future PyTorch release outputs will "
             "not be resized unless they have zero elements. You can explicitly reuse an out tensor t by resizing "
             "it, inplace, to zero elements with t.resize_(0).")
+
+
+# Ops whose CPU kernels (TensorIterator's, mm and addmm, not bmm and baddbmm) refuse to write into a tensor with
+# internal overlap although torch does not tag them pointwise. threshold_ is left out on purpose,
+# as on CPU: writing it twice is harmless (it is idempotent).
+_ALSO_OVERLAP_CHECKED = frozenset((
+    "mish", "hardswish", "hardsigmoid", "hardtanh", "softplus", "softshrink", "hardshrink", "elu", "celu",
+    "selu", "rrelu_with_noise", "leaky_relu", "gelu", "silu", "addmm", "mm", "addmv", "addr",
+    "scatter", "scatter_add", "copy",
+))
+_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single "
+                    "memory location. Please clone() the tensor before performing the operation.")
+
+
+def _checks_overlap(op: torch._ops.OpOverload) -> bool:
+    """Whether CPU refuses ``op``'s in-place or out= form on a written-to tensor with internal
+    overlap (an ``expand``-ed tensor): its pointwise and random-fill kernels do, its reductions,
+    masked and index fills do not."""
+    tags = op.tags
+    if torch.Tag.pointwise in tags or torch.Tag.nondeterministic_seeded in tags:
+        return op._schema.name != "aten::threshold_"
+    return op._schema.name.split("::")[1].rstrip("_") in _ALSO_OVERLAP_CHECKED
+
+
+def _check_no_internal_overlap(written: list, where: str) -> None:
+    """CPU's ``assert_no_internal_overlap``: a written tensor with a dimension of stride 0 and
+    size > 1 (never dense) would have one element written several times. Once per signature (an
+    expanded tensor's signature carries its strides)."""
+    for t in written:
+        if isinstance(t, torch.Tensor) and any(st == 0 and sz > 1 for sz, st in zip(t.shape, t.stride())):
+            raise_named(RuntimeError(_OVERLAP_MESSAGE), where)
 
 
 def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:

@@ -1065,7 +1065,29 @@ def elu(self, alpha=1, scale=1, input_scale=1):
     return jnp.where(x > 0, x * scale, jnp.expm1(x * input_scale) * (alpha * scale))
 
 
-@lower(aten.elu_backward.default)
+def _negative_slope_check(kind: str, extra: str = ""):
+    """CPU refuses the backward of an in-place activation whose negative part was scaled by a
+    negative slope: the result no longer tells which inputs were negative."""
+
+    def elu_args(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+        return alpha, is_result
+
+    def leaky_args(grad_output, self, negative_slope, self_is_result):
+        return negative_slope, self_is_result
+
+    def check(*args, **kwargs):
+        slope, is_result = (elu_args if kind == "elu" else leaky_args)(*args, **kwargs)
+        if is_result and float(slope) < 0:
+            raise RuntimeError(
+                f"In-place {kind} backward calculation is triggered with a negative slope which is not supported. "
+                "This is caused by calling in-place forward function with a negative slope, please call "
+                f"out-of-place version instead.{extra}"
+            )
+
+    return check
+
+
+@lower(aten.elu_backward.default, check=_negative_slope_check("elu"))
 def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
     g, x = _common(grad_output, self_or_result)
     negcoef = alpha * scale
@@ -1088,7 +1110,9 @@ def leaky_relu(self, negative_slope=0.01):
     return jnp.where(x > 0, x, x * negative_slope)
 
 
-@lower(aten.leaky_relu_backward.default)
+@lower(aten.leaky_relu_backward.default, check=_negative_slope_check(
+    "leakyReLu", " File an issue at https://github.com/pytorch/pytorch if you do require supporting in-place "
+    "leakRelu backward calculation with negative slope"))
 def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
     g, x = _common(grad_output, self)
     return jnp.where(x > 0, g, g * negative_slope)
@@ -1127,7 +1151,8 @@ def hardswish(self):
 @lower(aten.hardswish_backward.default)
 def hardswish_backward(grad_output, self):
     g, x = _common(grad_output, self)
-    return jnp.where(x < -3, jnp.zeros_like(g), jnp.where(x <= 3, g * (x / 3 + 0.5), g))
+    # CPU's kernel: the ends of the ramp belong to the flat parts (0 at -3, the gradient at 3)
+    return jnp.where(x <= -3, jnp.zeros_like(g), jnp.where(x < 3, g * (x / 3 + 0.5), g))
 
 
 @lower(aten.softplus.default)

@@ -25,7 +25,7 @@ from jax import lax
 
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
-from torch_tpu._meta import device_mismatch, to_meta
+from torch_tpu._meta import cpu_meta, device_mismatch, to_meta
 from torch_tpu._storage import is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
@@ -702,8 +702,12 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
     return jnp.moveaxis(grad, -1, cls)
 
 
-lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, check=_check_nll_target)(_nll_forward)
-lower(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)(_nll_backward)
+# CPU's own kernel on zero-filled stand-ins gives the shape checks CPU makes, as RuntimeErrors with
+# CPU's words (torch's Python meta kernels assert instead), and accepts a uint8 target as CPU does.
+for _fwd, _bwd in ((aten.nll_loss_forward, aten.nll_loss_backward),
+                   (aten.nll_loss2d_forward, aten.nll_loss2d_backward)):
+    lower(_fwd.default, check=_check_nll_target, meta=cpu_meta(_fwd))(_nll_forward)
+    lower(_bwd.default, meta=cpu_meta(_bwd))(_nll_backward)
 
 
 @lower(aten.mse_loss.default)
@@ -1282,7 +1286,13 @@ def _pdist_backward(grad, self, p, pdist):
 # ============================================================================ fused RNN cells
 # torch runs nn.LSTM / nn.GRU on a non-CPU device through these CUDA-style fused cells. The
 # workspace holds the activated gates, which the backward reads back.
-@lower(aten._thnn_fused_lstm_cell.default)
+def _lstm_cell_meta(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    """torch's own meta reads ``.device`` of the optional biases, so ``bias=False`` (both None)
+    fails there: hy and cy have cx's shape, the workspace the gates' shape."""
+    return torch.empty_like(cx), torch.empty_like(cx), torch.empty_like(input_gates)
+
+
+@lower(aten._thnn_fused_lstm_cell.default, meta=_lstm_cell_meta)
 def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
     gates = _acc(input_gates) + _acc(hidden_gates)
     if input_bias is not None:
@@ -1294,6 +1304,8 @@ def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden
 
 
 def _lstm_cell_backward(cx, cy, workspace, has_bias, grad_hy=None, grad_cy=None):
+    if grad_hy is None and grad_cy is None:  # as torch's kernel: no gradient in, none out
+        return None, None, None
     i, f, g, o = jnp.split(_acc(workspace), 4, axis=-1)
     cy, cx = _acc(cy), _acc(cx)
     gh = jnp.zeros_like(cy) if grad_hy is None else _acc(grad_hy)
@@ -1605,6 +1617,13 @@ def _lse(*xs):
     return jnp.where(pos, jnp.log(jnp.where(pos, s, 1)) + m0, -jnp.inf)
 
 
+def _shift_right(x, k: int, fill):
+    """x (N, L) moved k states to the right along its last axis, ``fill`` in the k first states,
+    the shape kept: with every target empty L is 1, shorter than the shift."""
+    pad = jnp.full(x.shape[:-1] + (k,), fill, x.dtype)
+    return jnp.concatenate([pad, x], axis=-1)[..., : x.shape[-1]]
+
+
 def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     """(negative log-likelihood (N,), log_alpha (N, T, 2 S + 1)) by the forward recursion over
     the blank-extended label sequences; S is the longest target."""
@@ -1625,15 +1644,14 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
                                               .repeat(N, 0), axis=1) if S else blank, blank)
     lab = lab.astype(jnp.int64)
     alive = s[None, :] <= 2 * tl[:, None]  # states past 2 * target length never matter
-    prev2 = jnp.concatenate([jnp.full((N, 2), -1, jnp.int64), lab[:, :-2]], axis=1)
+    prev2 = _shift_right(lab, 2, -1)
     skip = jnp.asarray(real) & (lab != prev2) & (s[None, :] >= 2)
     lp_ext = jnp.take_along_axis(lp, jnp.broadcast_to(lab[None], (T, N, L)), axis=2)  # (T, N, L)
-    neg_inf = jnp.full((N, 1), -jnp.inf, lp.dtype)
     la0 = jnp.where(jnp.asarray((s[None, :] < 2) & alive), lp_ext[0], -jnp.inf)
 
     def step(la, lpt):
-        a1 = jnp.concatenate([neg_inf, la[:, :-1]], axis=1)
-        a2 = jnp.where(skip, jnp.concatenate([neg_inf, neg_inf, la[:, :-2]], axis=1), -jnp.inf)
+        a1 = _shift_right(la, 1, -jnp.inf)
+        a2 = jnp.where(skip, _shift_right(la, 2, -jnp.inf), -jnp.inf)
         new = jnp.where(jnp.asarray(alive), _lse(la, a1, a2) + lpt, -jnp.inf)
         return new, new
 
@@ -1647,7 +1665,13 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     return -_lse(l1, l2), jnp.swapaxes(la, 0, 1)
 
 
-@lower(aten._ctc_loss.default)
+def _ctc_loss_check(log_probs, *args, **kwargs):
+    """CPU's kernel refuses empty log_probs before it looks at the lengths."""
+    if log_probs.numel() == 0:
+        raise RuntimeError("log_probs tensor must not be empty")
+
+
+@lower(aten._ctc_loss.default, check=_ctc_loss_check)
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     """zero_infinity is applied by torch's composite ``ctc_loss`` above this op, as on CPU."""
     return _ctc_forward(log_probs, targets, list(input_lengths), list(target_lengths), blank)
