@@ -302,3 +302,31 @@ def test_jacobian_columns_at_each_offset_compile_once():
         _ = jac[i % 40, 1:9].cpu()
     assert metrics.metrics()["compile_count"] - before <= 1
     assert torch.equal(jac.cpu(), col.cpu()[:, None].expand(40, 50))
+
+
+def test_a_host_mask_write_is_a_select_compiled_once_per_shape():
+    # ``x[cpu_mask] = v`` used to turn the mask into indices on the host, so each new mask (a new
+    # True count) compiled a new scatter; PyTorch's tests fill random masks of one shape many times
+    from torch_tpu.runtime import metrics
+
+    def compiles():
+        m = metrics.metrics()
+        return m["compile_count"] + m["fused_compile_count"]
+
+    c, t = pair(6, 5, 3)
+    gen = torch.Generator().manual_seed(0)
+    before = None
+    for i in range(6):
+        mask = torch.rand(6, 5, generator=gen) > 0.3 + 0.1 * i  # a different True count each time
+        for value in (float("nan"), -2.0, 7):
+            c[mask] = value
+            t[mask] = value
+        assert_same(t, c)
+        if i == 0:
+            before = compiles()
+    assert compiles() == before
+    # the same for a mask of the full shape and a one-element value tensor
+    full = torch.rand(6, 5, 3, generator=gen) > 0.5
+    c[full] = torch.tensor([3.5])
+    t[full] = torch.tensor([3.5], device="tpu")
+    assert_same(t, c)

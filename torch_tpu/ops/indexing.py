@@ -23,7 +23,7 @@ from jax import lax
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
 from torch_tpu._meta import device_mismatch
-from torch_tpu._storage import host_values, is_tpu, new_tensor, read, to_numpy
+from torch_tpu._storage import TPU_DEVICE, host_values, is_tpu, new_tensor, read, to_numpy
 from torch_tpu.ops._registry import Lowering, aten, kernel, kernel_from_lowerings, lower
 from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
@@ -247,7 +247,7 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
                     site = fused.user_site() or ("<unknown>", 0)  # the user's line, however deep the wrappers
                     warnings.warn_explicit("indexing with dtype torch.uint8 is now deprecated, please use a dtype "
                                            "torch.bool instead.", UserWarning, site[0], site[1])
-            if where is not None and len(indices) == 1 and _is_mask(indices[0]) and is_tpu(indices[0]):
+            if where is not None and len(indices) == 1 and _is_mask(indices[0]):
                 values = args[0] if args else kwargs["values"]
                 mask = indices[0]
                 if (
@@ -256,6 +256,10 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
                     and tuple(mask.shape) == tuple(self.shape[: mask.dim()])
                     and values.dim() <= 1 + self.dim() - mask.dim()
                 ):
+                    # A host mask is uploaded rather than read: as indices its True count would
+                    # shape the program, so every new mask compiled a new one.
+                    if not is_tpu(mask):
+                        indices = [mask.to(TPU_DEVICE)]
                     return where(self, indices, *args, **kwargs)
             if any(_is_mask(i) for i in indices) or any(i is not None and not is_tpu(i) for i in indices):
                 target, indices = _expand_masks(self, indices)
