@@ -102,3 +102,25 @@ def test_accelerator_with_explicit_import_and_autoload_off():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "tpu"
+
+
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
+                    reason="shared weights are found by data_ptr(), which needs torch >= 2.13 on tpu")
+def test_save_pretrained_from_tpu_round_trips(tmp_path):
+    """``save_pretrained`` finds tied weights by their storages' ``data_ptr()`` and sizes: on tpu
+    every weight once looked shared with every other of its size, and saving raised. GPT-2 ties its
+    head to its embedding, so the tie must survive and nothing else may be taken for one."""
+    from safetensors.torch import load_file, save_model
+
+    model = gpt2().to("tpu")
+    reference = {k: v.cpu() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    save_model(model, str(tmp_path / "plain.safetensors"))  # safetensors' own shared-tensor check
+    saved = load_file(str(tmp_path / "plain.safetensors"))
+    assert len(saved) == len(reference) - 1  # the tied head is stored once
+    for name, value in saved.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)

@@ -41,6 +41,42 @@ def test_views_share_storage():
     assert v._base is t
 
 
+_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+@pytest.mark.skipif(not _SWAP, reason="a tpu storage gets an address through _swap_data_ptr_ (torch >= 2.13)")
+def test_data_ptr_tells_views_from_copies_like_cpu():
+    """Code written for CUDA tells a copy from a view, and shared weights from distinct ones, by
+    data_ptr(): each tpu storage has its own address, a view's is its storage's plus its offset in
+    bytes, and an empty tensor's is 0, as on CPU."""
+    for d in ("cpu", "tpu"):
+        a = torch.arange(24.0, device=d).reshape(4, 6)
+        st = a.untyped_storage()
+        assert st.data_ptr() != 0 and a.data_ptr() == st.data_ptr()
+        assert a[1:].data_ptr() == a.data_ptr() + 6 * 4
+        assert a.view(24).data_ptr() == a.data_ptr() and a.t().data_ptr() == a.data_ptr()
+        assert a[1:].untyped_storage().data_ptr() == st.data_ptr()
+        assert a.t().reshape(24).data_ptr() != a.data_ptr()  # reshape copies here
+        assert a.clone().data_ptr() != a.data_ptr()
+        assert (a + 1).untyped_storage().data_ptr() != st.data_ptr()
+        b = torch.zeros(6, device=d)
+        ends = sorted([(a.data_ptr(), a.data_ptr() + 96), (b.data_ptr(), b.data_ptr() + 24)])
+        assert ends[0][1] <= ends[1][0]  # two live storages never overlap
+        assert torch.empty(0, device=d).data_ptr() == 0
+        a.unsqueeze_(0)  # geometry changes keep the address
+        assert a.data_ptr() == st.data_ptr()
+        a.resize_(40)  # growing may move it, and the data comes along
+        assert a.untyped_storage().nbytes() == 160
+        torch.testing.assert_close(a[:24].cpu(), torch.arange(24.0))
+    t = torch.ones(3, device="tpu")
+    t.untyped_storage().nbytes()  # a synced size without an address still gets one
+    assert t.untyped_storage().data_ptr() == t.data_ptr() != 0
+    t.untyped_storage().resize_(0)
+    assert t.untyped_storage().data_ptr() == 0
+    t.untyped_storage().resize_(12)
+    assert t.untyped_storage().data_ptr() != 0
+
+
 def test_inplace_on_views_updates_base():
     c, t = pair(4, 6)
     for x in (c, t):
@@ -224,8 +260,8 @@ def test_view_dtype_error_names_the_storage_offset_of_a_slice():
 
 def test_copies_and_views_like_cpu():
     """Where CPU copies (reshape of a non-contiguous tensor, a[True]), a write into the result
-    leaves the source alone; where CPU makes a view, it writes through. (data_ptr() is 0 for every
-    tpu storage, so the tests compare behaviour, not pointers: docs/porting.md.)"""
+    leaves the source alone; where CPU makes a view, it writes through. (The pointers themselves
+    are compared in test_data_ptr_tells_views_from_copies_like_cpu.)"""
     results = []
     for d in ("cpu", "tpu"):
         a = torch.arange(24.0, device=d).reshape(4, 6)

@@ -26,6 +26,7 @@ from torch_tpu._storage import (
     read_array,
     remember_host_copy,
     set_base,
+    set_geometry,
     to_cpu,
     to_numpy,
     write,
@@ -350,7 +351,7 @@ def _as_strided_(t: torch.Tensor, size, stride, storage_offset=None) -> torch.Te
                 f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset} are out of "
                 f"bounds for storage of {numel} elements"
             )
-    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, st, offset, list(size), list(stride))
+    set_geometry(t, st, offset, list(size), list(stride))
     return t
 
 
@@ -411,13 +412,13 @@ def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
         resize_storage(st, need * t.element_size())
         if _deterministic_fill():
             tail = torch.empty(0, dtype=t.dtype, device=t.device)
-            aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, tail, st, have, [need - have], [1])
+            set_geometry(tail, st, have, [need - have], [1])
             tail.fill_(_fill_value(t.dtype))
     if memory_format in (None, torch.contiguous_format, torch.preserve_format):
         stride = contiguous_strides(shape)
     else:
         stride = tuple(torch.empty(shape, device="meta", memory_format=memory_format).stride())
-    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, st, t.storage_offset(), list(shape), list(stride))
+    set_geometry(t, st, t.storage_offset(), list(shape), list(stride))
     return t
 
 
@@ -457,7 +458,7 @@ def _set_storage(t, source, storage_offset, size, stride=()):
     # a storage holding another dtype is fine: reads and writes reinterpret its bits, as a
     # view(dtype) does (torch's storage API reads a storage through a uint8 tensor set_ onto it)
     stride = list(stride) if len(stride) else list(contiguous_strides(tuple(size)))
-    aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, t, source, storage_offset, list(size), stride)
+    set_geometry(t, source, storage_offset, list(size), stride)
     return t
 
 

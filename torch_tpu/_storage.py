@@ -60,6 +60,87 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) ->
     return t
 
 
+# ------------------------------------------------------------------------------ addresses
+# A tpu storage's C++ data pointer is null: its bytes live in jax. ``data_ptr()`` is what code
+# written for CUDA tells storages apart by (safetensors and transformers' ``save_pretrained`` find
+# shared weights by it, tests tell a copy from a view by it), so a storage is given a unique
+# address the first time anyone asks for one (``_storage_api`` wraps ``Tensor.data_ptr`` and
+# ``UntypedStorage.data_ptr``): never on an op's path, which stays as cheap as it is. The address
+# is a number, never memory: nothing dereferences a tpu pointer (there is no C++ kernel).
+_SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset
+_cpp_storage_nbytes = torch._C.StorageBase.nbytes
+_cpp_storage_data_ptr = torch._C.StorageBase.data_ptr
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
+_ADDRESS_ALIGN = 512  # CUDA's caching allocator's
+_next_address = 1 << 44
+
+
+def logical_nbytes(st: Any) -> int:
+    """The bytes a tpu storage holds: its array's (or, for raw bytes from torch.load, theirs)."""
+    raw = getattr(st, "_raw", None)
+    if raw is not None:
+        return int(raw.size)
+    shape, dtype = getattr(st, "_shape", None), getattr(st, "_dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    return math.prod(shape) * dtype.itemsize
+
+
+def has_address(st: Any) -> bool:
+    """Whether tpu storage ``st`` has a non-null C++ data pointer. torch's ``data_ptr()`` refuses a
+    null pointer with a nonzero byte count ("an invalid python storage"), which every tpu storage
+    whose size was synced (``_storage_api.sync_nbytes``) and has no address is."""
+    try:
+        return bool(_cpp_storage_data_ptr(st))
+    except RuntimeError:
+        return False
+
+
+def give_address(st: Any, nbytes: int | None = None) -> bool:
+    """Gives tpu storage ``st`` a unique address, if it has none and holds bytes (an empty one's
+    is 0, as on CPU); with ``nbytes``, a new address of that size, as a reallocation moves. True
+    when the address changed.
+
+    The address comes with a ``StorageImpl`` that ``_construct_storage_from_data_pointer`` makes
+    and ``_swap_data_ptr_`` moves into ``st`` (torch >= 2.13; older torch keeps the null pointer,
+    so ``data_ptr()`` is the offset in bytes there). Such a storage is not resizable, which
+    :func:`set_geometry` allows for. Addresses are never reused, so two storages never share one.
+    """
+    global _next_address
+    if not _CAN_SWAP:
+        return False
+    if nbytes is None:
+        if has_address(st):
+            return False
+        nbytes = max(logical_nbytes(st), _cpp_storage_nbytes(st))
+        if nbytes == 0:
+            return False
+    address = _next_address
+    _next_address += max(1, -(-nbytes // _ADDRESS_ALIGN)) * _ADDRESS_ALIGN
+    if _cpp_storage_nbytes(st) not in (0, nbytes):  # a swap needs equal sizes, or one of 0
+        st._swap_data_ptr_(torch._C._acc.create_empty_tensor((0,), torch.uint8).untyped_storage())
+    st._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(address, st.device, nbytes))
+    return True
+
+
+def set_geometry(t: torch.Tensor, st: Any, offset: int, size: list[int], stride: list[int]) -> None:
+    """Points ``t`` at storage ``st`` with this geometry, touching no data.
+
+    torch's Meta ``set_`` kernel does it and grows the storage's C++ byte count without allocating
+    (a tpu storage's bytes live in jax, and ops never keep that count up to date), but it refuses
+    a storage that is not resizable, as one with an address (:func:`give_address`) is. That one's
+    byte count is its array's, and CPU's kernel checks the geometry against it without
+    allocating; a geometry that needs more bytes first gets a new, larger address."""
+    if st.resizable():
+        _SET_STORAGE._op_dk(DK.Meta, t, st, offset, size, stride)
+        return
+    if all(n > 0 for n in size):
+        need = (offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1) * t.element_size()
+        if need > _cpp_storage_nbytes(st):
+            give_address(st, need)
+    _SET_STORAGE._op_dk(DK.CPU, t, st, offset, size, stride)
+
+
 def dense_layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
     """The storage shape of a dense, non-overlapping strided layout (``channels_last``, a permuted
     ``empty_like``): the sizes from the largest stride to the smallest. None for any other layout
@@ -531,10 +612,7 @@ def set_base(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, value:
     st = t.untyped_storage()
     if _capture is not None:
         _capture.wrote(st)
-    DK_META = DK.Meta
-    torch.ops.aten.set_.source_Storage_storage_offset._op_dk(
-        DK_META, t, st, 0, list(shape), list(contiguous_strides(tuple(shape)))
-    )
+    set_geometry(t, st, 0, list(shape), list(contiguous_strides(tuple(shape))))
     st._shape, st._dtype, st._jx = tuple(shape), dtype, value
 
 
@@ -670,8 +748,7 @@ def resize_storage(st: Any, nbytes: int) -> None:
     if nbytes < old:
         st._swap_data_ptr_(new_tensor((0,), torch.uint8).untyped_storage())  # now 0 bytes in C++
     if nbytes > st.nbytes():
-        grow = torch._C._acc.create_empty_tensor((0,), torch.uint8)
-        torch.ops.aten.set_.source_Storage_storage_offset._op_dk(DK.Meta, grow, st, 0, [nbytes], [1])
+        set_geometry(torch._C._acc.create_empty_tensor((0,), torch.uint8), st, 0, [nbytes], [1])
 
 
 def _set_elements(st: Any, n: int, dtype: torch.dtype) -> None:

@@ -13,21 +13,23 @@ storage's byte count without allocating (as ``resize_storage`` does). Reads and 
 bytes then take torch's own device path: a ``uint8`` tensor ``set_`` onto the storage, which tpu
 reads and writes by reinterpreting the array's bits (``_storage._alias_geometry``). A new storage
 (``UntypedStorage(n | bytes, device="tpu")``) is the storage of a fresh ``uint8`` tpu tensor.
+``Tensor.data_ptr`` and ``UntypedStorage.data_ptr`` first give a tpu storage its unique address
+(``_storage.give_address``), which code written for CUDA tells storages apart by.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from torch_tpu._storage import DK, new_tensor
+from torch_tpu._storage import give_address, has_address, logical_nbytes, new_tensor, set_geometry
 
-_SET = torch.ops.aten.set_.source_Storage_storage_offset
 _installed = False
 _cpp_nbytes = torch._C.StorageBase.nbytes
+_cpp_storage_data_ptr = torch._C.StorageBase.data_ptr
+_cpp_tensor_data_ptr = torch._C.TensorBase.data_ptr
 _cpp_new = torch._C.StorageBase.__new__
 _cpp_copy = torch._C.StorageBase.copy_
 _cpp_fill = torch._C.StorageBase.fill_
@@ -35,23 +37,28 @@ _cpp_getitem = torch.UntypedStorage.__getitem__
 _synced_clone: Any = None
 
 
-def _logical_nbytes(st: Any) -> int:
-    raw = getattr(st, "_raw", None)
-    if raw is not None:
-        return int(raw.size)
-    shape, dtype = getattr(st, "_shape", None), getattr(st, "_dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    return math.prod(shape) * dtype.itemsize
-
-
 def sync_nbytes(st: Any) -> Any:
     """Grows the C++ byte count of tpu storage ``st`` to its array's size (never shrinks it)."""
-    need = _logical_nbytes(st)
+    need = logical_nbytes(st)
     if need > _cpp_nbytes(st):
-        scratch = torch._C._acc.create_empty_tensor((0,), torch.uint8)
-        _SET._op_dk(DK.Meta, scratch, st, 0, [need], [1])
+        set_geometry(torch._C._acc.create_empty_tensor((0,), torch.uint8), st, 0, [need], [1])
     return st
+
+
+def _storage_data_ptr(self: Any) -> int:
+    """``UntypedStorage.data_ptr``: a tpu storage's unique address (``_storage.give_address``)."""
+    if self.device.type == "tpu" and not give_address(self) and not has_address(self):
+        return 0  # torch < 2.13: no address to give (see give_address); an empty storage's is 0
+    return _cpp_storage_data_ptr(self)
+
+
+def _tensor_data_ptr(self: torch.Tensor) -> int:
+    """``Tensor.data_ptr``: for a tpu tensor, its storage's unique address plus its offset in bytes,
+    as on CPU. The C++ call comes first, so tensors without data (fake, functional) raise as ever."""
+    p = _cpp_tensor_data_ptr(self)
+    if self.is_cpu or self.device.type != "tpu" or not give_address(self.untyped_storage()):
+        return p
+    return _cpp_tensor_data_ptr(self)
 
 
 def _is_tpu_storage(st: Any) -> bool:
@@ -170,3 +177,5 @@ def install() -> None:
     torch.UntypedStorage.fill_ = _fill_
     torch.UntypedStorage.__getitem__ = _getitem
     torch.UntypedStorage.__new__ = _untyped_new
+    torch.UntypedStorage.data_ptr = _storage_data_ptr
+    torch.Tensor.data_ptr = _tensor_data_ptr
