@@ -153,3 +153,31 @@ def test_metrics_and_cache_stats_count_the_same_compiles(fused_mode):
     assert m1["fused_compile_count"] - m0["fused_compile_count"] == s1["misses"] - s0["misses"] == 3
     assert m1["compile_count"] - m0["compile_count"] >= 3  # per-op programs of eager sections count too
     assert m1["compile_seconds"] >= s1["compile_seconds"] - s0["compile_seconds"]
+
+
+def test_strict_mode_explains_an_op_that_recompiles_at_one_line(monkeypatch):
+    """In the default (strict) mode each op is its own program: the same op at the same line compiling
+    again is a recompile too, with the first difference named, and warned about once it repeats."""
+    from torch_tpu import _shape_churn
+
+    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)  # a growing sequence compiles per length
+    monkeypatch.setattr(cache, "RECOMPILE_WARN", 3)
+    with torch_tpu.set_eager_mode(EagerMode.STRICT):
+        x = torch.arange(4.0, device="tpu")
+
+        def scaled(k):
+            return (x * k).sum().item()
+
+        reasons = _reasons(scaled, [5, 6])
+        assert any("argument 'other' changed from the Python int 5 to the Python int 6" in r for r in reasons), reasons
+
+        ids = torch.zeros(2, 3, dtype=torch.int64, device="tpu")
+        one = torch.ones(2, 1, dtype=torch.int64, device="tpu")
+        before = len(cache.recompiles)
+        with pytest.warns(UserWarning, match=r"the program of aten\.cat\.default at .*recompiled 3 times.*static cache"):
+            for _ in range(4):
+                ids = torch.cat([ids, one], dim=1)  # (2, 4), (2, 5), ...: a program per length
+        grown = [r for r in cache.recompiles[before:] if "aten.cat" in r.site]
+        assert len(grown) == 3 and all("dim 1 grew by one" in r.reason for r in grown), grown
+        expected = torch.cat([torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64)], 1)
+        assert torch.equal(ids.cpu(), expected)

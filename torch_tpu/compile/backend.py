@@ -39,7 +39,9 @@ from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.runtime import executor, fused, metrics
-from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.runtime.executor import EagerMode, Program, execute
+
+_EARLY_MODES = (EagerMode.FUSED, EagerMode.STRICT)
 
 
 def _assert_scalar(cond: Any, msg: str) -> None:
@@ -592,12 +594,16 @@ class _Tensor(tuple):
 
 
 
+def _compile_inference(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    return _compile(gm, example_inputs, inference=True)
+
+
 _HOST = "host"  # the third element of a key entry for a 0-d CPU tensor input: ((), dtype, _HOST)
 _PLAIN_CPU = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                         torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = False) -> Callable:
     """One graph AOTAutograd hands over (a forward, a backward, or an inference graph such as an
     optimizer step) as the function AOTAutograd calls per step.
 
@@ -611,6 +617,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     devices instead of building and looking up the input signature each time: a guard that fails
     recompiles, so a call never sees another signature. The inputs' storages (views, offsets,
     pending values) are still checked at every call. A graph capture checks every input.
+
+    ``inference``: AOTAutograd's inference graph (no autograd: a decoding step under no_grad). One
+    that returns values runs as soon as it is called, see ``run``; one that returns nothing (an
+    optimizer step, whose updates are its input mutations) waits, like a training step's graphs.
     """
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
@@ -625,6 +635,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     graph_id = id(cache)
     n_out = len(out_metas)
     n_mutated = len(mutated)
+    runs_early = inference and any(isinstance(m, torch.Tensor) for m in out_metas)
     # per output: 0 a tensor, 1 a number (or anything else), 2 computed on the host
     out_kinds = [2 if i in host_outs else 0 if isinstance(m, torch.Tensor) else 1 for i, m in enumerate(out_metas)]
     out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
@@ -678,9 +689,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     def run(args: list) -> list:
         previous = executor.defer()
         try:
-            return _run(args)
+            results = _run(args)
         finally:
             executor.undefer(previous)
+        if runs_early and previous in _EARLY_MODES:
+            # inference (a decoding step): the device starts on the graph now, with the ops
+            # recorded before it, while Python goes on to the next ones (in strict mode they then
+            # run one by one). In training the graphs wait, so that forward, backward and the
+            # optimizer become one program
+            fused.flush(reason="inference graph")
+        return results
 
     def _run(args: list) -> list:
         arrays: list = []
@@ -911,8 +929,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
     _no_guard_latency_profile()
     try:
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, decompositions=_decompositions(),
-            keep_inference_input_mutations=True,
+            gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, inference_compiler=_compile_inference,
+            decompositions=_decompositions(), keep_inference_input_mutations=True,
         )
     except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
         lost = _device.take_lost_exception()

@@ -72,7 +72,13 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
         # positions, cache indices: CPU's values computed here (int64 wraps as CPU's) and uploaded,
         # a transfer where a program would compile once per length (a decoding loop's every token)
         # and, in fused mode, run on its own; the host copy also serves index checks
-        return new_tensor((n,), out_dtype, numpy_to_device(start + np.arange(n, dtype=np.int64) * step))
+        key = (start, step, n)
+        value = _ARANGES.get(key)
+        if value is None:
+            if len(_ARANGES) >= _ARANGES_KEPT:
+                del _ARANGES[next(iter(_ARANGES))]
+            value = _ARANGES[key] = numpy_to_device(start + np.arange(n, dtype=np.int64) * step)
+        return new_tensor((n,), out_dtype, value)
     fn = program("aten.arange", _arange_body, n, acc, _dtypes.to_jax(out_dtype))
     value = execute(fn, acc(start), acc(step))
     if integral and out_dtype == torch.int64 and n <= _HOST_ARANGE:
@@ -82,6 +88,12 @@ def _arange(*args, dtype=None, layout=None, device=None, pin_memory=None) -> tor
     return new_tensor((n,), out_dtype, value)
 
 
+# The uploaded aranges, by (start, step, length): a decoding loop asks for the same positions and
+# cache indices at every token, and an upload costs more than the rest of the op. Sharing an array
+# between tensors is safe: jax arrays are immutable (a write replaces a storage's array), and the
+# reference held here keeps a fused program from donating its buffer (``fused._donatable``).
+_ARANGES: dict[tuple[int, int, int], object] = {}
+_ARANGES_KEPT = 256
 _HOST_ARANGE = 1 << 16  # longest integer arange whose values are kept on the host
 _UPLOADED_ARANGE = 4096  # longest integer arange uploaded rather than computed on the device
 

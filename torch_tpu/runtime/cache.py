@@ -21,6 +21,7 @@ import hashlib
 import os
 import time
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -364,13 +365,37 @@ def _trace_error(e: Exception, key: Any, sites: list) -> None:
     raise_named(e, f"a fused program of {len(key)} ops failed to compile")
 
 
-def _record_recompile(site: Any, why: str) -> None:
+def note_program_compile(program: Any, site: tuple[str, int] | None) -> None:
+    """A program compiling as it runs on its own (strict and debug modes, one op each): when the same
+    op at the same user line compiled another program before, that is a recompile, explained and
+    warned about as a fused trace's is (the default mode's decoding loop that grows a sequence
+    is told so)."""
+    op = _op_name(program)
+    k = (site, op)
+    ref = _last_programs.get(k)
+    old = ref() if ref is not None else None
+    _last_programs[k] = weakref.ref(program)
+    if old is not None and old is not program:
+        why = _program_difference(0, old, program, _site_text(site)).removeprefix("op #0 ")
+        _record_recompile((site, "op", op), why, f"the program of {op} at {_site_text(site)}")
+
+
+_last_programs: dict[tuple, Any] = {}  # (user site, op) -> a weak reference to its last compiled program
+
+
+def _record_recompile(site: Any, why: str, what: str | None = None) -> None:
+    """Keeps the reason, and warns once a site has recompiled ``RECOMPILE_WARN`` times. ``what``
+    names a single op's program (strict mode): one line of a model serving several shapes is
+    normal there, so such a site is warned about only for a sequence that grows."""
     text = f"{_site_text(site[0])} ({site[1]}, trace starting with {site[2]})"
+    if what is not None:
+        text = what
     recompiles.append(Recompile(text, why))
     _site_recompiles[site] += 1
-    if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites:
+    grows = "grows every step" in why or "grew by one" in why
+    if _site_recompiles[site] >= RECOMPILE_WARN and site not in _warned_sites and (grows or what is None):
         _warned_sites.add(site)
-        if "grows every step" in why or "grew by one" in why:  # the reason already says what to do
+        if grows:  # the reason already says what to do
             advice = ("A decoding loop whose sequence or KV cache grows by a token per step compiles one program "
                       "per length: use a static cache (generate(..., cache_implementation='static')) and "
                       "fixed-size buffers; see docs/inference.md.")
@@ -378,7 +403,8 @@ def _record_recompile(site: Any, why: str) -> None:
             advice = ("Shapes that change every step recompile every step: pad or bucket them, or use "
                       "DataLoader(drop_last=True) so the last batch has the same size.")
         count = _site_recompiles[site]
-        message = f"tpu: the fused program at {text} recompiled {count} times; last reason: {why}. {advice}"
+        program = what or f"the fused program at {text}"
+        message = f"tpu: {program} recompiled {count} times; last reason: {why}. {advice}"
         if site[0] is not None:  # attributed to the user's line that ended the trace
             warnings.warn_explicit(message, UserWarning, site[0][0], site[0][1])
         else:

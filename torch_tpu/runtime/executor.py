@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import checks, fused, metrics, residency
+from torch_tpu.runtime import cache, checks, fused, metrics, residency
 from torch_tpu.runtime.errors import raise_named
 
 
@@ -195,6 +195,7 @@ class Program:
         t0 = time.perf_counter()
         out = self._jitted(*inputs)  # traces and compiles on first call
         metrics.count_compile(self.name, time.perf_counter() - t0)
+        cache.note_program_compile(self, fused.user_site())
         return out
 
     def __call__(self, *inputs: Any) -> Any:
