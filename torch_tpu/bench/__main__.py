@@ -9,7 +9,7 @@
     python -m torch_tpu.bench allreduce [--nproc 2] [--mb 1,64]     (see bench/distributed.py)
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
     python -m torch_tpu.bench fsdp [--nproc 2]                  (DDP next to FSDP2, both paths)
-    python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,...]
+    python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,...] [--rounds 1]
                                      [--loops generate,static,export] [--threads N]
                                      (see bench/decode.py)
 
@@ -363,6 +363,8 @@ def main() -> None:
     g.add_argument("--modes", default="cpu,fused,compile,compile-fused,strict")
     g.add_argument("--loops", default="generate,static,export")
     g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for the run (0: torch's default)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="measure each mode this many times, each beside a CPU run; report the median ratio")
     a = p.parse_args()
     if a.cmd == "predict":
         r = predict(a.workload, a.batches, a.mode)
@@ -376,7 +378,8 @@ def main() -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
-        decode.table(a.modes.split(","), a.loops.split(","), new=a.new, prompt_len=a.prompt, batch=a.batch)
+        decode.table(a.modes.split(","), a.loops.split(","), rounds=a.rounds, new=a.new, prompt_len=a.prompt,
+                     batch=a.batch)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":

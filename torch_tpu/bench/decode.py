@@ -2,9 +2,11 @@
 
     python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,strict]
 
-Each mode decodes greedily three times from the same prompt: the first call (a fresh process has
+Each mode decodes greedily five times from the same prompt: the first call (a fresh process has
 compiled nothing for these shapes) gives the first-token latency and the compiles per token; the
-last, with the same lengths, gives the steady speed. Three loops are measured:
+median of the last three, with the same lengths, gives the steady speed. ``--rounds R`` measures
+each mode R times beside a CPU run of its own and reports the median ratio. Three loops are
+measured:
 
 * ``generate``: ``model.generate(..., cache_implementation="static")``. transformers grows
   ``input_ids`` and the attention mask by one column per token (``torch.cat``), so every new
@@ -24,6 +26,14 @@ Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compil
 mode and loop: tokens/s (new tokens of all sequences per second), host ms per token step (process
 CPU time, every thread: on an accelerator the device work per token is tiny, so this bounds the
 speed), first-token latency (prefill and first token) and programs compiled.
+
+Tokens are timed where they are made: a stopping criterion for ``generate`` (whose own stop check
+reads the host at every token, so the criterion adds no sync of its own), the loops' callbacks for
+the others (which sync, as nothing else in them does).
+
+Note that transformers compiles the forward itself when the cache is static (its auto-compile), so
+``fused`` and ``strict`` run a compiled forward too, through the ``inductor`` name (torch_tpu
+serves it, see docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -38,10 +48,13 @@ import torch
 import torch_tpu
 
 MODES = ("cpu", "fused", "compile", "compile-fused", "strict")
-# decodes per mode: the first gives the first-token latency and the compiles; the last the steady speed.
-# Three, not two: the second call of a fused-mode generate() still meets traces for the first time
-# (the first call's prefill and warm-up cut them differently) and compiles a couple more
-CALLS = 3
+# decodes per mode: the first gives the first-token latency and the compiles; the last ``TIMED`` the
+# steady speed (their median: a single 32-token call lasts ~50 ms on CPU, short enough for the shared
+# machine's hiccups to move it by half). Two warm-ups, not one: the second call of a fused-mode
+# generate() still meets traces for the first time (the first call's prefill and warm-up cut them
+# differently) and compiles a couple more
+TIMED = 3
+CALLS = 2 + TIMED
 
 
 def tiny_llama(layers: int = 2, hidden: int = 128, vocab: int = 256, seed: int = 0) -> Any:
@@ -141,12 +154,13 @@ class _Clock:
     """Marks the time, CPU time and compile count at each token (a stopping criterion's call, or
     ``static_decode``'s ``on_token``), reading the token count on the host so each step ends there."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, sync: bool = True) -> None:
         self.device = device
+        self.sync = sync
         self.marks: list[tuple[float, float, int]] = []
 
     def mark(self) -> None:
-        if self.device == "tpu":
+        if self.device == "tpu" and self.sync:
             torch_tpu.sync()
         self.marks.append((time.perf_counter(), time.process_time(), _compiles() if self.device == "tpu" else 0))
 
@@ -195,7 +209,7 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
     try:
         runs = []
         for _ in range(CALLS):
-            clock = _Clock(device)
+            clock = _Clock(device, sync=loop != "generate")
             start = (time.perf_counter(), time.process_time(), _compiles() if device == "tpu" else 0)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -205,10 +219,11 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
         if device == "tpu":
             torch_tpu.set_eager_mode(previous)
     (start0, marks0, tokens), (_, marks1, _) = runs[0], runs[-1]
-    steady = marks1[1:]  # token 2 onwards: the steady per-token step
-    seconds = steady[-1][0] - steady[0][0]
-    cpu = steady[-1][1] - steady[0][1]
-    steps = len(steady) - 1
+    timed = []
+    for _, marks, _ in runs[-TIMED:]:
+        steady = marks[1:]  # token 2 onwards: the steady per-token step
+        timed.append((steady[-1][0] - steady[0][0], steady[-1][1] - steady[0][1], len(steady) - 1))
+    seconds, cpu, steps = sorted(timed)[len(timed) // 2]
     first = marks0[0]
     later = marks0[min(8, len(marks0) - 1)]
     return {
@@ -228,8 +243,12 @@ def _count(n: int | None) -> str:
     return "-" if n is None else str(n)
 
 
-def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
-    """Every mode and loop in one process, CPU first; prints a table, returns the rows."""
+def table(modes: list[str], loops: list[str], rounds: int = 1, **kw: Any) -> list[dict]:
+    """Every mode and loop in one process, CPU first; prints a table, returns the rows.
+
+    ``rounds`` > 1 measures each mode that many times, each right after a CPU run of its own, and
+    reports the round with the median ratio: a shared machine's speed drifts (by up to 1.6x within
+    minutes here), so a ratio is only sound against CPU measured beside it."""
     rows = []
     cpu: dict[str, dict] = {}
     print("| loop | mode | tokens/s | x CPU | host ms/token | wall ms/token | first token s | first call s "
@@ -240,11 +259,21 @@ def table(modes: list[str], loops: list[str], **kw: Any) -> list[dict]:
         for mode in (("cpu", "export") if loop == "export" else modes):
             if loop == "export" and "cpu" not in modes and mode == "cpu":
                 continue
-            r = measure(mode, loop, **kw)
             if mode == "cpu":
-                cpu[loop] = r
-            ref = cpu.get(loop)
+                r = ref = cpu[loop] = measure(mode, loop, **kw)
+                ratios = [1.0]
+            else:
+                measured = []
+                for _ in range(rounds):
+                    ref = measure("cpu", loop, **kw) if rounds > 1 else cpu.get(loop)
+                    r = measure(mode, loop, **kw)
+                    measured.append((r["tokens_per_s"] / ref["tokens_per_s"] if ref else 0.0, r, ref))
+                measured.sort(key=lambda m: m[0])
+                ratios = [m[0] for m in measured]
+                _, r, ref = measured[len(measured) // 2]
             ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
             same = "-" if ref is None or mode == "cpu" else str(torch.equal(r["tokens"], ref["tokens"]))
             print(f"| {loop} | {mode} | {r['tokens_per_s']} | {ratio} | {r['host_ms_per_token']} | "
                   f"{r['wall_ms_per_token']} | {r['first_token_s']} | {r['first_call_s']} | "
