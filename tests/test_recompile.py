@@ -181,3 +181,16 @@ def test_strict_mode_explains_an_op_that_recompiles_at_one_line(monkeypatch):
         assert len(grown) == 3 and all("dim 1 grew by one" in r.reason for r in grown), grown
         expected = torch.cat([torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64)], 1)
         assert torch.equal(ids.cpu(), expected)
+
+
+def test_a_view_of_another_storage_is_not_called_growth():
+    """Two storages of unrelated shapes viewed at one line: the reason names the storage's shape, and
+    claims no growing sequence (which only a storage one longer along one dim is)."""
+    with torch_tpu.set_eager_mode(EagerMode.STRICT):
+        before = len(cache.recompiles)
+        for cols in (6, 9):
+            base = torch.arange(4.0 * cols, device="tpu").reshape(4, cols)
+            (base[:, :2] * 2).sum().item()
+        reasons = [r.reason for r in cache.recompiles[before:] if "aten.mul" in r.site]
+    assert reasons and "the storage it views has another shape" in reasons[0], reasons
+    assert not any("grows every step" in r for r in reasons), reasons

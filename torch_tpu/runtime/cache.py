@@ -118,7 +118,9 @@ def _hint(a: Any, b: Any) -> str:
         return (" (Python ints are compile-time constants: each value compiles its own program; pass a tensor, "
                 "or a float, where the value changes every step)")
     if ka == kb == "_View" and a[2] != b[2]:
-        return (" (the storage it views has another shape: a tensor that grows every step, such as a sequence "
+        if not _growth_hint(tuple(a[2]), tuple(b[2])):
+            return " (the storage it views has another shape)"
+        return (" (the storage it views grew by one: a tensor that grows every step, such as a sequence "
                 "extended by torch.cat in a decoding loop or a dynamic KV cache, compiles a program per length; "
                 "preallocate it at its final size, e.g. a static cache)")
     if ka == kb == "_Tensor" and a[0] != b[0]:
@@ -370,6 +372,8 @@ def note_program_compile(program: Any, site: tuple[str, int] | None) -> None:
     op at the same user line compiled another program before, that is a recompile, explained and
     warned about as a fused trace's is (the default mode's decoding loop that grows a sequence
     is told so)."""
+    if site is None:  # no user line to attribute it to (torch's own code, autograd's thread)
+        return
     op = _op_name(program)
     k = (site, op)
     ref = _last_programs.get(k)
