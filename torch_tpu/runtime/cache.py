@@ -381,7 +381,7 @@ def note_program_compile(program: Any, site: tuple[str, int] | None) -> None:
     _last_programs[k] = weakref.ref(program)
     if old is not None and old is not program:
         why = _program_difference(0, old, program, _site_text(site)).removeprefix("op #0 ")
-        _record_recompile((site, "op", op), why, f"the program of {op} at {_site_text(site)}")
+        _record_recompile((site, "op", op), why, f"{op} at {_site_text(site)}")
 
 
 _last_programs: dict[tuple, Any] = {}  # (user site, op) -> a weak reference to its last compiled program
@@ -389,7 +389,7 @@ _last_programs: dict[tuple, Any] = {}  # (user site, op) -> a weak reference to 
 
 def _record_recompile(site: Any, why: str, what: str | None = None) -> None:
     """Keeps the reason, and warns once a site has recompiled ``RECOMPILE_WARN`` times. ``what``
-    names a single op's program (strict mode): one line of a model serving several shapes is
+    names a single op's program (strict mode: "aten.cat.default at file:line"): one line of a model serving several shapes is
     normal there, so such a site is warned about only for a sequence that grows."""
     text = f"{_site_text(site[0])} ({site[1]}, trace starting with {site[2]})"
     if what is not None:
@@ -407,8 +407,10 @@ def _record_recompile(site: Any, why: str, what: str | None = None) -> None:
             advice = ("Shapes that change every step recompile every step: pad or bucket them, or use "
                       "DataLoader(drop_last=True) so the last batch has the same size.")
         count = _site_recompiles[site]
-        program = what or f"the fused program at {text}"
-        message = f"tpu: {program} recompiled {count} times; last reason: {why}. {advice}"
+        if what is None:
+            message = f"tpu: the fused program at {text} recompiled {count} times; last reason: {why}. {advice}"
+        else:
+            message = f"tpu: the program of {what} recompiled {count} times; last reason: {why}. {advice}"
         if site[0] is not None:  # attributed to the user's line that ended the trace
             warnings.warn_explicit(message, UserWarning, site[0][0], site[0][1])
         else:
