@@ -174,7 +174,8 @@ def test_strict_mode_explains_an_op_that_recompiles_at_one_line(monkeypatch):
         ids = torch.zeros(2, 3, dtype=torch.int64, device="tpu")
         one = torch.ones(2, 1, dtype=torch.int64, device="tpu")
         before = len(cache.recompiles)
-        with pytest.warns(UserWarning, match=r"the program of aten\.cat\.default at .*recompiled 3 times.*static cache"):
+        warned = r"the program of aten\.cat\.default at .*recompiled 3 times.*static cache"
+        with pytest.warns(UserWarning, match=warned):
             for _ in range(4):
                 ids = torch.cat([ids, one], dim=1)  # (2, 4), (2, 5), ...: a program per length
         grown = [r for r in cache.recompiles[before:] if "aten.cat" in r.site]

@@ -389,8 +389,9 @@ _last_programs: dict[tuple, Any] = {}  # (user site, op) -> a weak reference to 
 
 def _record_recompile(site: Any, why: str, what: str | None = None) -> None:
     """Keeps the reason, and warns once a site has recompiled ``RECOMPILE_WARN`` times. ``what``
-    names a single op's program (strict mode: "aten.cat.default at file:line"): one line of a model serving several shapes is
-    normal there, so such a site is warned about only for a sequence that grows."""
+    names a single op's program (strict mode: "aten.cat.default at file:line"): one line of a
+    model serving several shapes is normal there, so such a site is warned about only for a
+    sequence that grows."""
     text = f"{_site_text(site[0])} ({site[1]}, trace starting with {site[2]})"
     if what is not None:
         text = what
