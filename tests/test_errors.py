@@ -133,11 +133,20 @@ _W = torch.randn(10, 3)
         lambda d: torch._embedding_bag(_W.to(d), torch.ones(2, dtype=torch.long, device=d),
                                        torch.zeros(1, 2, dtype=torch.long, device=d)),
         lambda d: _F.embedding(torch.zeros(2, 2, dtype=torch.long, device=d), torch.tensor(1.0, device=d)),
+        lambda d: torch.zeros(3, device=d).masked_fill_(torch.ones(3, dtype=torch.uint8, device=d), 1.0),
+        lambda d: torch.zeros(3, device=d).masked_fill(torch.ones(3, dtype=torch.int64, device=d), 1.0),
+        lambda d: torch.zeros(3, device=d).masked_fill_(torch.ones(3, device=d) > 0, torch.ones(2, device=d)),
+        lambda d: torch.zeros(3, device=d).masked_scatter_(torch.ones(3, dtype=torch.uint8, device=d),
+                                                           torch.ones(3, device=d)),
+        lambda d: torch.where(torch.ones(3, dtype=torch.int64, device=d), torch.zeros(3, device=d),
+                              torch.ones(3, device=d)),
     ],
     ids=["clamp-no-bounds", "nonzero-out-float", "masked_select-out-dtype", "index-broadcast",
          "float-index", "index-size0-dim", "index_put-value-shape", "embedding_bag-range",
          "embedding_bag-offsets0", "embedding_bag-offsets-last", "embedding_bag-padded-range",
-         "embedding_bag-input-dims", "embedding_bag-offsets-dims", "embedding-weight-dims"],
+         "embedding_bag-input-dims", "embedding_bag-offsets-dims", "embedding-weight-dims",
+         "masked_fill_-uint8-mask", "masked_fill-int64-mask", "masked_fill_-value-dims", "masked_scatter_-uint8-mask",
+         "where-int64-condition"],
 )
 def test_lowering_and_kernel_errors_have_cpu_type_and_message(f):
     """CPU's type where a lowering, torch's Python meta kernel or JAX would raise another one
@@ -325,3 +334,16 @@ def test_a_dtype_the_device_lacks_is_named_however_it_arrives(move):
     message ("Got unsupported ScalarType ComplexHalf") named neither the dtype nor the device."""
     with pytest.raises(TypeError, match="torch.complex32 is not supported on the tpu device"):
         move()
+
+
+def test_where_takes_a_uint8_condition_as_cpu():
+    """CPU's where takes a uint8 condition (deprecated, with a warning) as the bool it holds."""
+    import warnings
+
+    cond = torch.tensor([1, 0, 2, 0], dtype=torch.uint8)
+    x, y = torch.arange(4.0), -torch.arange(4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        want = torch.where(cond, x, y)
+        got = torch.where(cond.to("tpu"), x.to("tpu"), y.to("tpu"))
+    assert torch.equal(got.cpu(), want)

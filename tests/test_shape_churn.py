@@ -61,3 +61,24 @@ def test_the_host_path_can_be_turned_off(monkeypatch):
     assert torch.equal(got.cpu(), _grow("cpu", 8)[0])
     assert compiles[-1] > compiles[4]  # every length compiles again
     assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
+
+
+def _grow_from_views(device, dtype):
+    """A growing sequence fed with strided views (a transpose's columns) of an uploaded tensor."""
+    base = (torch.arange(15).reshape(3, 5) % 4).to(dtype).to(device)
+    seq = base.t()[:, :1]
+    for i in range(9):
+        seq = torch.cat([seq, base.t()[:, i % 3:i % 3 + 1]], dim=1)
+    return base, seq
+
+
+def test_the_host_path_reads_strided_views_and_small_dtypes_like_cpu():
+    """The host ops read their inputs' host copies in place (no copy): every view geometry and
+    dtype gives CPU's values, and the inputs are left as they were."""
+    for dtype in (torch.int32, torch.uint8, torch.bool):
+        before = torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0)
+        base, got = _grow_from_views("tpu", dtype)
+        want_base, want = _grow_from_views("cpu", dtype)
+        assert got.dtype == dtype and torch.equal(got.cpu(), want), dtype
+        assert torch.equal(base.cpu(), want_base), dtype
+        assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) > before, dtype

@@ -127,8 +127,12 @@ def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _host_value(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of tpu tensor ``t`` that compiles nothing: its host copy when it was uploaded,
-    else its whole storage read to the host (a sync) and viewed there."""
+    """The values of tpu tensor ``t`` as a CPU tensor, compiling nothing: a read-only view of its
+    host copy when it was uploaded (the host ops only read their inputs), else a copy of its whole
+    storage read to the host (a sync) and viewed there."""
+    cpu = _storage.host_tensor(t)
+    if cpu is not None:
+        return cpu
     data = _storage.host_copy(t)
     if data is None:
         st = t.untyped_storage()
@@ -151,13 +155,26 @@ def _to_host(a: Any) -> Any:
     return a
 
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``op`` computed by torch on the CPU, its results uploaded as tpu tensors."""
+def _upload(x: Any) -> Any:
+    """A result of the host op as a tpu tensor. Its CPU tensor is fresh and dropped here, and every
+    input it could alias is a private copy (``_host_value``), so its memory becomes the upload's
+    host copy as it is: no second copy (``_fallback._from_cpu`` copies, for results it keeps)."""
+    if type(x) is torch.Tensor and x.device.type == "cpu" and not x._is_zerotensor():
+        from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
+
+        return _storage.new_tensor(tuple(x.shape), x.dtype, numpy_to_device(_dtypes.cpu_to_numpy(x)))
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_upload(y) for y in x)
     from torch_tpu._fallback import _from_cpu
 
+    return _from_cpu(x)
+
+
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``op`` computed by torch on the CPU, its results uploaded as tpu tensors."""
     metrics.host_op_counts[str(op)] += 1
     cargs = [[_to_host(x) for x in a] if type(a) is list or type(a) is tuple else _to_host(a) for a in args]
     ckwargs = {k: _to_host(v) for k, v in kwargs.items()}
     if isinstance(ckwargs.get("device"), str) and ckwargs["device"].startswith("tpu"):
         ckwargs["device"] = torch.device("cpu")
-    return _from_cpu(op(*cargs, **ckwargs))
+    return _upload(op(*cargs, **ckwargs))

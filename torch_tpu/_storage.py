@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -632,8 +633,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return a
 
 
-# id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks)
-_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set]] = {}
+# id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks,
+# and a CPU tensor over the data once host_tensor has made one)
+_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set, torch.Tensor | None]] = {}
 _HOST_COPY_MAX_BYTES = 1 << 22
 
 
@@ -647,7 +649,7 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
         data.flags.writeable = False  # handed to readers as it is (host_copy)
         key = id(array)
-        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set())
+        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), None)
 
 
 def host_copy(t: torch.Tensor) -> np.ndarray | None:
@@ -664,6 +666,33 @@ def host_copy(t: torch.Tensor) -> np.ndarray | None:
     flat = data.reshape(-1)
     strides = tuple(s * flat.itemsize for s in t.stride())
     return np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape), strides, writeable=False)
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """:func:`host_copy` as a CPU tensor of ``t``'s shape, strides and offset over the host data
+    (which is read-only: for CPU kernels that only read their inputs, the host path's), or None.
+    The CPU tensor over the whole data is made once per upload and kept with the host copy, so a
+    chain of host ops reads each input without a copy or a numpy round trip."""
+    st = t.untyped_storage()
+    a = st._jx
+    kept = _HOST_COPIES.get(id(a)) if a is not None else None
+    if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+        return None
+    whole = kept[3]
+    if whole is None:
+        data = kept[1]
+        try:
+            with warnings.catch_warnings():  # not writable: nothing writes it (the docstring)
+                warnings.simplefilter("ignore", UserWarning)
+                whole = torch.from_numpy(data.reshape(-1))
+        except TypeError:  # a numpy type torch cannot wrap
+            return None
+        if whole.dtype != t.dtype:
+            return None
+        _HOST_COPIES[id(a)] = (kept[0], data, kept[2], whole)
+    if not t.storage_offset() and t.is_contiguous() and t.numel() == whole.numel():
+        return whole.view(t.shape)
+    return whole.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def passed_checks(t: torch.Tensor) -> set | None:

@@ -510,13 +510,36 @@ def addcdiv(self, tensor1, tensor2, value=1):
     return a + v * (t1 / t2)
 
 
-@lower(aten.where.self)
+def _where_meta(condition, self, other):
+    """CPU takes a uint8 condition (with its deprecation warning) and refuses other non-bool ones
+    in its words, where torch's meta kernel refuses every non-bool one: CPU says which, on empty
+    stand-ins of the same dtypes."""
+    if condition.dtype != torch.bool:
+        torch.where(torch.empty(0, dtype=condition.dtype), torch.empty(0, dtype=self.dtype),
+                    torch.empty(0, dtype=other.dtype))
+        condition = condition.to(torch.bool)
+    return aten.where.self(condition, self, other)
+
+
+@lower(aten.where.self, meta=_where_meta)
 def where(condition, self, other):
     a, b = _common(self, other)
     return jnp.where(condition.astype(bool), a, b)
 
 
-@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor, runtime_numbers=("value",))
+def _masked_fill_meta(self, mask, value):
+    """CPU's refusals, in its words: a mask that is not bool (torch's meta says "expected predicate
+    to be bool", and its in-place form lets uint8 through), and a value tensor with dimensions."""
+    if mask.dtype != torch.bool:
+        # CPU's message names the mask's C++ type ("unsigned char"): CPU says it, on empty stand-ins
+        torch.empty(0, dtype=self.dtype).masked_fill_(torch.empty(0, dtype=mask.dtype), 0)
+    if isinstance(value, torch.Tensor) and value.dim():
+        raise RuntimeError("masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                           f"{value.dim()} dimension(s).")
+    return aten.masked_fill(self, mask, value)
+
+
+@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor, runtime_numbers=("value",), meta=_masked_fill_meta)
 def masked_fill(self, mask, value):
     return jnp.where(mask.astype(bool), jnp.asarray(value).astype(self.dtype), self)
 

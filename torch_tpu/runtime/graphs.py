@@ -29,6 +29,8 @@ graph, as in CUDA graphs; change them through tensors if they must vary.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import time
 import weakref
@@ -44,6 +46,8 @@ from torch_tpu.runtime import checks, executor, fused, metrics, residency, settl
 _storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
 _Lazy = fused.Lazy
+_NoneType = type(None)
+_array_of = operator.attrgetter("_jx")  # a storage's array, read in C by map
 
 # Hand-written kernels whose output shape depends on the values they read.
 _DATA_DEPENDENT = ("nonzero", "masked_select", "unique", "bincount", "repeat_interleave", "histogram", "index")
@@ -382,11 +386,17 @@ class TPUGraph:
         self._exe = compiled
         self._template = [None if p in bound else x for p, x in enumerate(args)]  # never a static input's array
         self._inputs = inputs
+        # the same lists split, for replay's loops over them in C (map), not in bytecode: a training
+        # step has a few hundred inputs and outputs, and at tens of ns each the loops are its Python
+        self._input_at = [p for p, _ in inputs]
+        self._input_storages = [st for _, st in inputs]
         self._input_avals = {p: (tuple(args[p].shape), args[p].dtype) for p, _ in inputs}
         self._rng = rng_args
         self._draws = len(cap.rng)
         self._donate = donate
         self._bind = [(slot[o], st) for o in outputs for st in out_storages.get(id(lazy_at[o]), ())]
+        self._bind_from = [i for i, _ in self._bind]
+        self._bind_storages = [st for _, st in self._bind]
         self._constant_writes = constant_writes
         # a check: (flag, (first bad value, its index), error, site), each value an output slot
         self._checks = [(slot[(position[id(c[0].node)], c[0].index)],
@@ -412,12 +422,13 @@ class TPUGraph:
             if fused._pending or fused._step_ended:
                 fused.flush()  # ops recorded since (a copy_ into a static input) run first
             args = self._template.copy()
-            for p, st in self._inputs:
-                a = st._jx
-                if type(a) is _Lazy or a is None:
-                    a = fused.concrete(_storage.base_array(st))
-                args[p] = a
-            a = None
+            values = list(map(_array_of, self._input_storages))
+            kinds = set(map(type, values))
+            if _Lazy in kinds or _NoneType in kinds:  # pending or never written: made concrete first
+                values = [fused.concrete(_storage.base_array(st)) if type(a) is _Lazy or a is None else a
+                          for a, st in zip(values, self._input_storages)]
+            any(map(args.__setitem__, self._input_at, values))  # setitem answers None: runs them all
+            del values
             if self._draws:
                 with _rng._lock:
                     base = _rng._counter
@@ -425,16 +436,18 @@ class TPUGraph:
                     seed = _rng._seed
                 for p, k, which in self._rng:
                     args[p] = np.uint32(seed & 0xFFFF_FFFF if which == 0 else (base + k + 1) & 0xFFFF_FFFF)
-            for p in self._donate:
-                if sys.getrefcount(args[p]) > 3:  # args, its storage, getrefcount: held elsewhere too
+            donated = [args[p] for p in self._donate]
+            # references: args, the storage, donated, map's item; more means held elsewhere too
+            for p, n in zip(self._donate, map(sys.getrefcount, donated)):
+                if n > 4:
                     args[p] = jnp.array(args[p], copy=True)
+            del donated
             try:
                 prof = metrics.profile
                 outs = exe(*args) if prof is None else prof.timed(f"tpu graph ({self.ops} ops)", exe, *args)
             except Exception as e:
                 raise self._call_error(e, args) from e
-            for i, st in self._bind:
-                st._jx = outs[i]
+            any(map(setattr, self._bind_storages, itertools.repeat("_jx"), map(outs.__getitem__, self._bind_from)))
             for st, c in self._constant_writes:
                 st._jx = c
             if self._checks:
@@ -457,6 +470,7 @@ class TPUGraph:
         """Drops the graph and its references to the static tensors."""
         self._exe = None
         self._template = self._inputs = self._bind = self._constant_writes = self._checks = []
+        self._input_at = self._input_storages = self._bind_from = self._bind_storages = []
 
     def pool(self) -> _Pool:
         """The pool handle the graph was captured with (see :func:`graph_pool_handle`)."""
