@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
+from torch_tpu import _dtypes, _int_churn, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -225,6 +225,19 @@ class _OpKernel:
                         STATIC if lowering.static_scalars else FLOATS for a in schema.arguments}
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
         positional = [a.name for a in schema.arguments if not a.kwarg_only]
+        # value arguments whose Python ints become runtime inputs once they change at every call
+        # (torch_tpu/_int_churn.py); not for lowerings that take their numbers as constants
+        at, kw = _int_churn.value_arguments(schema)
+        if lowering.static_scalars or lowering.random:
+            at, kw = [], set()
+        self.value_at = [i for i in at if self.pos_dynamic[i] != NUMBERS]
+        self.value_kw = {k for k in kw if self.dynamic[k] != NUMBERS}
+        self.ints = _int_churn.WATCH if self.value_at or self.value_kw else None
+        self.int_values: dict = {}  # a call's pattern -> the sets of ints it met
+        self.int_sites: set = set()  # the user lines whose ints are runtime inputs
+        self.int_dynamic = {**self.dynamic, **{k: NUMBERS for k in self.value_kw},
+                            **{positional[i]: NUMBERS for i in self.value_at}}
+        self.int_pos_dynamic = [NUMBERS if i in self.value_at else d for i, d in enumerate(self.pos_dynamic)]
         self.generator_at = positional.index("generator") if "generator" in positional else None  # poisson
         self.out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
         self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
@@ -308,6 +321,33 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
 
+    def _runtime_int_key(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        """A call's runtime inputs and signature with the value arguments' Python ints as runtime
+        inputs (torch_tpu/_int_churn.py)."""
+        dyn: list = []
+        pos = tuple([_spec(a, d, dyn, self.name) for a, d in zip(args, self.int_pos_dynamic)])
+        return dyn, self._signature(pos, args, kwargs, dyn, self.int_dynamic)
+
+    def _ints_at_run_time(self, args: tuple, kwargs: dict, dyn: list, key: Any) -> tuple[list, Any, Any]:
+        """Makes the value arguments' Python ints runtime inputs at this call's line (see
+        torch_tpu/_int_churn.py). The first such program is traced abstractly here, at the op: a
+        lowering that needs the number itself keeps this kernel's ints static at every line.
+        Returns this call's runtime inputs, signature and cache entry (None: still to be built)."""
+        new_dyn, new_key = self._runtime_int_key(args, kwargs)
+        entry = self.cache.get(new_key)
+        if entry is None:
+            try:
+                entry = self._build(new_key, args, kwargs)
+                jax.eval_shape(entry[0].fn, *[jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is fused.Lazy else x
+                                              for x in new_dyn])
+            except Exception:  # noqa: BLE001 - the lowering needs its ints (or refuses the call: the static build says)
+                self.ints = _int_churn.REFUSED
+                self.int_values.clear()
+                return dyn, key, None
+            self.cache[new_key] = entry
+        self.int_sites.add(fused.user_site())
+        return new_dyn, new_key, entry
+
     def _shape_refusal_first(self, args: tuple, kwargs: dict) -> None:
         """A value check failed on host values (a target out of range). CPU checks shapes before
         it reads a value, so if the meta kernel refuses the call too, its error is the one raised
@@ -344,13 +384,15 @@ class _OpKernel:
         return [m if m is None else torch.empty_like(m, dtype=kwargs[n].dtype)
                 for m, n in zip(metas, self.out_names)]
 
-    def _signature(self, pos: tuple, args: tuple, kwargs: dict, dyn: list) -> tuple:
+    def _signature(self, pos: tuple, args: tuple, kwargs: dict, dyn: list, dynamic: dict | None = None) -> tuple:
         """The cache key of a call: its positional arguments' signature ``pos``, then the keyword
-        arguments' (their runtime inputs appended to ``dyn``)."""
+        arguments' (their runtime inputs appended to ``dyn``), by ``dynamic`` (the kernel's own by
+        default)."""
         if kwargs:
             name = self.name
+            dynamic = self.dynamic if dynamic is None else dynamic
             kw = tuple([
-                (k, _spec(v, self.dynamic.get(k, FLOATS), dyn, name))
+                (k, _spec(v, dynamic.get(k, FLOATS), dyn, name))
                 for k, v in kwargs.items()
                 if k not in IGNORED_KWARGS and k not in self.out_names
             ])
@@ -393,11 +435,17 @@ class _OpKernel:
             pos = tuple(pos)
             key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
             entry = self.cache.get(key)
-            if entry is None:
+            if entry is None and self.int_sites and fused.user_site() in self.int_sites:
+                dyn, key = self._runtime_int_key(args, kwargs)  # a line whose ints change every call
+                entry = self.cache.get(key)
+            elif entry is None:
                 # the key with _spec's types, which the program's rebuild and the churn pattern read
                 dyn = []
                 pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
                 key = self._signature(pos, args, kwargs, dyn)
+                if self.ints is _int_churn.WATCH and _int_churn.churns(self, key, args, kwargs):
+                    dyn, key, entry = self._ints_at_run_time(args, kwargs, dyn, key)
+            if entry is None:
                 if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
                     return _shape_churn.run(self.op, args, kwargs)
                 if kind != "out" and not executor.recording() and _view_churn.churns(name, key):

@@ -510,7 +510,7 @@ def addcdiv(self, tensor1, tensor2, value=1):
     return a + v * (t1 / t2)
 
 
-def _where_meta(condition, self, other):
+def _where_meta(condition, self, other, **out):
     """CPU takes a uint8 condition (with its deprecation warning) and refuses other non-bool ones
     in its words, where torch's meta kernel refuses every non-bool one: CPU says which, on empty
     stand-ins of the same dtypes."""
@@ -518,7 +518,7 @@ def _where_meta(condition, self, other):
         torch.where(torch.empty(0, dtype=condition.dtype), torch.empty(0, dtype=self.dtype),
                     torch.empty(0, dtype=other.dtype))
         condition = condition.to(torch.bool)
-    return aten.where.self(condition, self, other)
+    return aten.where(condition, self, other, **out)
 
 
 @lower(aten.where.self, meta=_where_meta)
@@ -527,7 +527,7 @@ def where(condition, self, other):
     return jnp.where(condition.astype(bool), a, b)
 
 
-def _masked_fill_meta(self, mask, value):
+def _masked_fill_meta(self, mask, value, **out):
     """CPU's refusals, in its words: a mask that is not bool (torch's meta says "expected predicate
     to be bool", and its in-place form lets uint8 through), and a value tensor with dimensions."""
     if mask.dtype != torch.bool:
@@ -536,7 +536,7 @@ def _masked_fill_meta(self, mask, value):
     if isinstance(value, torch.Tensor) and value.dim():
         raise RuntimeError("masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
                            f"{value.dim()} dimension(s).")
-    return aten.masked_fill(self, mask, value)
+    return aten.masked_fill(self, mask, value, **out)
 
 
 @lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor, runtime_numbers=("value",), meta=_masked_fill_meta)

@@ -464,13 +464,13 @@ def _check_masked_scatter(self, mask, source):
         raise RuntimeError("masked_scatter: Number of elements of source < number of ones in mask")
 
 
-def _masked_scatter_meta(self, mask, source):
+def _masked_scatter_meta(self, mask, source, **out):
     """CPU refuses a mask that is not bool (uint8 after its deprecation warning), where torch's
     meta kernel of the in-place form lets it through: CPU says it, on empty stand-ins."""
     if mask.dtype != torch.bool:
         torch.empty(0, dtype=self.dtype).masked_scatter_(torch.empty(0, dtype=mask.dtype),
                                                          torch.empty(0, dtype=source.dtype))
-    return aten.masked_scatter(self, mask, source)
+    return aten.masked_scatter(self, mask, source, **out)
 
 
 @lower(aten.masked_scatter, check=_check_masked_scatter, meta=_masked_scatter_meta)

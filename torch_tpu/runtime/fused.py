@@ -88,7 +88,10 @@ def user_site() -> tuple[str, int] | None:
     """The innermost source line outside torch and torch_tpu: where the user asked for this.
     Whether a file is skipped is remembered by its name (a string caches its hash, so the lookup
     costs less than the prefix test it saves)."""
-    f = sys._getframe(2)
+    try:
+        f = sys._getframe(2)
+    except ValueError:  # called from a kernel the autograd engine's thread runs: no Python caller
+        return None
     skipped = _skipped_file
     while f is not None:
         name = f.f_code.co_filename
