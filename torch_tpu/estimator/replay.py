@@ -290,7 +290,13 @@ class ReplayRunner:
         self._loss = loss.untyped_storage()
         self._loss_meta = (tuple(loss.shape), loss.dtype)
         self._new_tensor = _storage.new_tensor
-        return self._replay(group)
+        loss = self._replay(group)
+        # The capture step is warm-up, and so is what the device still owes from the steps before
+        # it: the first plain step's program may still be compiling or running. Waiting for this
+        # step's loss here keeps that wait in the warm-up; otherwise the first replays wait behind
+        # it, a one-time delay of a tenth of a second that shows in the steady steps' rate.
+        jax.block_until_ready(self._loss._jx)
+        return loss
 
     def _after_capture(self, floats: list, counter: int) -> None:
         from torch_tpu import _rng
