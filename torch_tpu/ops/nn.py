@@ -1020,8 +1020,33 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
 @lower(aten._embedding_bag_backward.default)
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
                             scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    """The dense gradient, in a graph (eager mode runs :func:`_embedding_bag_backward_kernel`)."""
+    if sparse:
+        raise NotImplementedError("tpu: the sparse gradient of EmbeddingBag(sparse=True) inside a compiled "
+                                  "graph (its number of rows depends on the indices); it works in eager mode")
     return _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@kernel(aten._embedding_bag_backward.default)
+def _embedding_bag_backward_kernel(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                                   scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+    """EmbeddingBag's weight gradient, as CPU makes it: dense through ``_embedding_bag_dense_backward``,
+    or with ``sparse=True`` a sparse COO tensor with a row per index outside ``padding_idx`` (each
+    its bag's gradient, divided by the bag's size for ``mean``, times its per-sample weight), which
+    ``embedding_backward`` assembles. torch's meta kernel of the sparse form drops the padding rows
+    with ``nonzero``, which a meta tensor cannot answer, so this kernel builds it from tpu ops."""
+    if not sparse:
+        return aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+    rows = grad.index_select(0, offset2bag)
+    if mode == 1:  # mean
+        rows = rows / bag_size.to(rows.dtype).unsqueeze(1).index_select(0, offset2bag)
+    elif mode == 2:  # max: CPU's sparse path has no max
+        raise NotImplementedError("embedding_bag_backward: Sparse gradients are not supported for mode 'max'")
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(1)
+    return aten.embedding_backward(rows, indices, num_weights, padding_idx, scale_grad_by_freq, True)
 
 
 @lower(aten._embedding_bag_per_sample_weights_backward.default)
