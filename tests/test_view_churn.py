@@ -77,4 +77,6 @@ def test_reading_and_writing_each_element_shares_one_program():
             names += [k for k, n in metrics.compile_counts.items() if n != before.get(k, 0)]
     torch.testing.assert_close(got.cpu(), want)
     if not FUSED:
-        assert not [n for n in names if n.startswith("read")], names
+        # one shared read program at most, the first time an element is read on its own (which op
+        # reads one first depends on what else the line runs through): never one per element
+        assert len([n for n in names if n.startswith("read")]) <= 1, names
