@@ -652,13 +652,22 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
         _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), None)
 
 
-def host_copy(t: torch.Tensor) -> np.ndarray | None:
-    """The values of tpu tensor ``t`` from the host data it was uploaded from, or None when there
-    is none (values computed on the device). Reads no device memory."""
+def _kept(t: torch.Tensor) -> tuple | None:
+    """The ``_HOST_COPIES`` entry of the array behind tpu tensor ``t``, or None when it has none
+    (or ``t`` reads it as another element type)."""
     st = t.untyped_storage()
     a = st._jx
     kept = _HOST_COPIES.get(id(a)) if a is not None else None
     if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+        return None
+    return kept
+
+
+def host_copy(t: torch.Tensor) -> np.ndarray | None:
+    """The values of tpu tensor ``t`` from the host data it was uploaded from, or None when there
+    is none (values computed on the device). Reads no device memory."""
+    kept = _kept(t)
+    if kept is None:
         return None
     data = kept[1]
     if not t.storage_offset() and t.shape == data.shape and t.is_contiguous():
@@ -673,10 +682,8 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor | None:
     (which is read-only: for CPU kernels that only read their inputs, the host path's), or None.
     The CPU tensor over the whole data is made once per upload and kept with the host copy, so a
     chain of host ops reads each input without a copy or a numpy round trip."""
-    st = t.untyped_storage()
-    a = st._jx
-    kept = _HOST_COPIES.get(id(a)) if a is not None else None
-    if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+    kept = _kept(t)
+    if kept is None:
         return None
     whole = kept[3]
     if whole is None:
@@ -689,7 +696,7 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor | None:
             return None
         if whole.dtype != t.dtype:
             return None
-        _HOST_COPIES[id(a)] = (kept[0], data, kept[2], whole)
+        _HOST_COPIES[id(t.untyped_storage()._jx)] = (kept[0], data, kept[2], whole)
     if not t.storage_offset() and t.is_contiguous() and t.numel() == whole.numel():
         return whole.view(t.shape)
     return whole.as_strided(t.shape, t.stride(), t.storage_offset())
@@ -700,10 +707,8 @@ def passed_checks(t: torch.Tensor) -> set | None:
     known to pass, kept with its host copy, or None when it has none. The data is a private copy
     and the array is immutable, so a check that passed once passes again: a training loop that
     feeds the same batch tensor every step checks it once."""
-    st = t.untyped_storage()
-    a = st._jx
-    kept = _HOST_COPIES.get(id(a)) if a is not None else None
-    if kept is None or kept[0]() is not a or t.dtype != st._dtype:
+    kept = _kept(t)
+    if kept is None:
         return None
     return kept[2]
 
