@@ -288,6 +288,31 @@ def test_embedding_bag(mode):
                                            include_last_offset=True), w, torch.rand(8))
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_loop_over_padding_indices_matches_cpu_and_compiles_once(sparse):
+    """``padding_idx`` is a runtime input of the embedding programs: a loop over padding values
+    (as PyTorch's own test of it runs) stops compiling after its first values, not one per value."""
+    w = torch.randn(12, 3)
+    idx, off = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 11, 0]), torch.tensor([0, 2, 2, 5])
+
+    def step(w: torch.Tensor, pad: int | None) -> list[torch.Tensor]:
+        w = w.detach().requires_grad_()
+        d = w.device
+        outs = [F.embedding_bag(idx.to(d), w, off.to(d), mode=m, padding_idx=pad, sparse=sparse)
+                for m in ("sum", "mean")]
+        outs.append(F.embedding(idx.to(d), w, padding_idx=pad, sparse=sparse))
+        sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
+        return [o.detach() for o in outs] + [w.grad.to_dense()]
+
+    counts = []
+    for pad in [None, 0, 1, 2, 3, 4, 5, 9, 11]:
+        for got, want in zip(step(w.to("tpu"), pad), step(w, pad), strict=True):
+            torch.testing.assert_close(got.cpu(), want, **TOL)
+        torch_tpu.sync()
+        counts.append(torch_tpu.metrics()["compile_count"])
+    assert counts[-1] == counts[3], counts  # the first few values compile (None is -1), then nothing
+
+
 # ----------------------------------------------------------------------------- resampling/pads
 @pytest.mark.parametrize("mode", ["nearest", "nearest-exact", "bilinear", "bicubic"])
 @pytest.mark.parametrize("size", [(7, 5), (16, 10), (3, 2)])

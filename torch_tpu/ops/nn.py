@@ -880,20 +880,19 @@ def _check_embedding(weight, indices, *rest, **kw):
                         lambda v: IndexError("index out of range in self"))
 
 
-@lower(aten.embedding.default, check=_check_embedding)
+@lower(aten.embedding.default, check=_check_embedding, runtime_numbers=("padding_idx",))
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
 
 
-@lower(aten.embedding_dense_backward.default)
+@lower(aten.embedding_dense_backward.default, runtime_numbers=("padding_idx",))
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     idx = indices.reshape(-1)
     g = _acc(grad_output).reshape(idx.shape[0], -1)
     if scale_grad_by_freq:
         counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
         g = g / counts[idx][:, None]
-    if padding_idx >= 0:
-        g = jnp.where((idx == padding_idx)[:, None], 0, g)
+    g = jnp.where((idx == padding_idx)[:, None], 0, g)  # -1 (none) matches no index
     return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
 
 
@@ -924,7 +923,9 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         indices, offsets = indices.reshape(-1), jnp.arange(n) * k
     offset2bag, n_bags = _bags(indices, offsets, include_last_offset)
     # as on CPU, indices past the last offset belong to the last bag, even with include_last_offset
-    keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    # padding_idx is a runtime input (a loop over padding values compiles once); -1, none, matches
+    # no index, which the check keeps within [0, num_weights)
+    keep = indices != padding_idx
     w = _acc(weight)
     rows = jnp.take(w, indices, axis=0)
     if per_sample_weights is not None:
@@ -984,7 +985,8 @@ def _check_bag(weight, indices, offsets, *rest, **kw):
         f"offsets[-1] can not be greater than input's length {length} but got offsets[-1] of {v}"))
 
 
-lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, check=_check_bag)(_embedding_bag)
+lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, check=_check_bag,
+      runtime_numbers=("padding_idx",))(_embedding_bag)
 
 
 def _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq,
@@ -1005,19 +1007,18 @@ def _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, nu
     if scale_grad_by_freq:
         counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
         rows = rows / counts[idx][:, None]
-    if padding_idx >= 0:
-        rows = jnp.where((idx == padding_idx)[:, None], 0, rows)
+    rows = jnp.where((idx == padding_idx)[:, None], 0, rows)
     return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(rows)
 
 
-@lower(aten._embedding_bag_dense_backward.default)
+@lower(aten._embedding_bag_dense_backward.default, runtime_numbers=("padding_idx",))
 def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                   scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
     return _bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                scale_grad_by_freq, mode, per_sample_weights, padding_idx)
 
 
-@lower(aten._embedding_bag_backward.default)
+@lower(aten._embedding_bag_backward.default, runtime_numbers=("padding_idx",))
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
                             scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
     """The dense gradient, in a graph (eager mode runs :func:`_embedding_bag_backward_kernel`)."""
@@ -1049,11 +1050,11 @@ def _embedding_bag_backward_kernel(grad, indices, offsets, offset2bag, bag_size,
     return aten.embedding_backward(rows, indices, num_weights, padding_idx, scale_grad_by_freq, True)
 
 
-@lower(aten._embedding_bag_per_sample_weights_backward.default)
+@lower(aten._embedding_bag_per_sample_weights_backward.default, runtime_numbers=("padding_idx",))
 def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
     idx = indices.reshape(-1)
     dots = (_acc(grad)[offset2bag] * _acc(weight)[idx]).sum(-1)
-    return jnp.where(idx == padding_idx, 0, dots) if padding_idx >= 0 else dots
+    return jnp.where(idx == padding_idx, 0, dots)
 
 
 # ==================================================================================== resampling
