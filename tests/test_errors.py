@@ -347,3 +347,48 @@ def test_where_takes_a_uint8_condition_as_cpu():
         want = torch.where(cond, x, y)
         got = torch.where(cond.to("tpu"), x.to("tpu"), y.to("tpu"))
     assert torch.equal(got.cpu(), want)
+
+
+_INTEGRAL_CALLS = {
+    "softplus": (lambda t: torch.nn.functional.softplus(t), torch.int64),
+    "hardshrink": (lambda t: torch.nn.functional.hardshrink(t), torch.int32),
+    "lerp": (lambda t: t.lerp(t, 0.5), torch.int64),
+    "addcmul": (lambda t: t.addcmul(t, t), torch.bool),
+    "std": (lambda t: t.std(), torch.int16),
+    "argmax": (lambda t: t.argmax(), torch.bool),
+    "relu_": (lambda t: t.relu_(), torch.bool),
+    "log_softmax": (lambda t: t.log_softmax(0), torch.uint8),
+    "grid_sample": (lambda t: torch.nn.functional.grid_sample(  # served by a decomposition
+        t.view(1, 1, 2, 2), torch.zeros(1, 1, 1, 2, device=t.device), align_corners=False), torch.int32),
+    "uniform_": (lambda t: t.uniform_(), torch.int64),  # a random op
+}
+
+
+@pytest.mark.parametrize("name", sorted(_INTEGRAL_CALLS))
+def test_an_integer_input_cpu_has_no_kernel_for_raises_as_on_cpu(name):
+    """torch's meta kernels accept integer and bool inputs that XLA would compute and CPU's kernels
+    refuse; tpu refuses them as CPU does, with CPU's exception type and words, and the op named."""
+    f, dtype = _INTEGRAL_CALLS[name]
+    x = torch.arange(4).to(dtype)
+    with pytest.raises(Exception) as cpu_err:
+        f(x.clone())
+    with pytest.raises(cpu_err.type) as tpu_err:
+        f(x.to("tpu"))
+    assert str(cpu_err.value) in str(tpu_err.value)
+    assert "aten." in str(tpu_err.value)
+
+
+def test_asking_cpu_about_a_random_ops_dtype_leaves_cpus_generator_alone():
+    torch.manual_seed(3)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    torch.zeros(5, dtype=torch.int64, device="tpu").random_(0, 7)  # CPU is asked whether it takes int64: it does
+    torch.zeros(5, device="tpu").bernoulli_(0.5)
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_integer_inputs_cpu_takes_still_compute():
+    x = torch.arange(-3, 5, dtype=torch.int32)
+    for f in (lambda t: t.abs(), lambda t: t.clamp(-1, 2), lambda t: t.cumsum(0), lambda t: t.sort().values,
+              lambda t: (t * 3) // 2, lambda t: t.bool().logical_and(t.bool())):
+        assert torch.equal(f(x.to("tpu")).cpu(), f(x))

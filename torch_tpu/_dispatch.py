@@ -259,6 +259,9 @@ class _OpKernel:
         except Exception as e:  # CPU's error type, with the op and the input shapes named
             metas = self._out_dtype_refused(e, args, kwargs, sig)
         else:
+            refusal = _out_dtypes.integral_refusal(self.op, args, kwargs)  # an integer input CPU has no kernel for
+            if refusal is not None:
+                raise_named(refusal, f"{self.name}({sig})")
             if self.kind == "out":
                 verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)
                 if isinstance(verdict, BaseException):  # an out dtype CPU refuses, with CPU's words

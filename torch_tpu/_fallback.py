@@ -130,6 +130,14 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     if active is None:
         active = _guard.active = set()
     if decomp is not None and op not in active:
+        from torch_tpu import _out_dtypes
+        from torch_tpu.runtime.errors import raise_named
+
+        refusal = _out_dtypes.integral_refusal_by_dtypes(op, args, kwargs)  # CPU has no kernel for the dtype
+        if refusal is not None:
+            shapes = ", ".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
+                               for a in args if isinstance(a, torch.Tensor))
+            raise_named(refusal, f"{op}({shapes})")
         metrics.decomposition_counts[str(op)] += 1
         active.add(op)
         try:

@@ -1,4 +1,7 @@
-"""CPU's rules for an ``out=`` tensor whose dtype differs from the op's result.
+"""CPU's dtype rules that torch's meta kernels don't know, asked of CPU itself.
+
+Two kinds: an ``out=`` tensor whose dtype differs from the op's result (below), and an integer
+or bool input that CPU's kernel has no implementation for (:func:`integral_refusal`).
 
 Torch's Python meta kernels check an ``out`` tensor's dtype with rules of their own: some ops
 demand the exact result dtype ("Expected out tensor to have dtype float32 ..."), others a safe cast
@@ -70,6 +73,94 @@ def cpu_verdict(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseExc
         # check of the stand-ins' zero values) is no verdict on it
         return e if _ABOUT_DTYPES.search(str(e)) and "not implemented for" not in str(e) else False
     return None
+
+
+# CPU's refusals of an integer or bool input, by the kernel's dtype switch ("softplus_cpu" not
+# implemented for 'Long') or by its own check ("std and var only support floating point", "argmax():
+# does not support bool input", "Boolean inputs not supported for relu"). A refusal CPU calls its
+# own ("topk does not support bool dtypes on CPU") is not adopted.
+_INTEGRAL_REFUSAL = re.compile(r"not implemented for '(Bool|Byte|Char|Short|Int|Long|UInt\d+)'"
+                               r"|only supports? floating|does not support bool"
+                               r"|[Bb]oolean inputs? (is |are )?not supported"
+                               r"|Integer division with|can't be cast to the desired output type")
+_INTEGRAL = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                       torch.uint16, torch.uint32, torch.uint64})
+_SMALL = 4096  # a bigger stand-in is shrunk to one element per dim (int mm of a big matrix is slow on CPU)
+
+
+def _has_integral(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dtype in _INTEGRAL:
+                return True
+        elif isinstance(a, (list, tuple)) and a and _has_integral(a):
+            return True
+    return False
+
+
+def _small_stand_in(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+        shape = tuple(a.shape) if a.numel() <= _SMALL else tuple(min(d, 1) for d in a.shape)
+        return torch.zeros(shape, dtype=a.dtype)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_small_stand_in(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
+    if isinstance(a, torch.Generator):  # the user's generator is not advanced by asking
+        return torch.Generator()
+    return a
+
+
+def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
+    """CPU's refusal of this call's integer or bool inputs, or None: the op run once on zero
+    CPU stand-ins, when its program is built. torch's meta kernels accept what XLA computes
+    (``softplus``, ``lerp`` or ``hardshrink`` of an int tensor, ``addcmul`` of bools), where CPU
+    raises; tpu raises as CPU does. Only a refusal about the dtype is adopted: an error of the
+    stand-ins' zeros or shapes is no verdict (and a call CPU accepts runs on tpu as before)."""
+    if not (_has_integral(args) or (kwargs and _has_integral(kwargs.values()))):
+        return None
+    try:
+        cargs, ckw = _small_stand_in(args), {k: _small_stand_in(v) for k, v in kwargs.items()}
+        # a random op CPU accepts draws from CPU's generator, which the user's CPU draws must not see
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            op(*cargs, **ckw)
+    except Exception as e:  # noqa: BLE001 - only a dtype refusal is an answer
+        text = str(e)
+        if _INTEGRAL_REFUSAL.search(text) and "on CPU" not in text:
+            return e
+    return None
+
+
+_verdicts: dict = {}  # (op, the call's dtypes and other arguments) -> integral_refusal's answer
+
+
+def _dtype_key(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.dim()
+    if isinstance(a, (list, tuple)):
+        return tuple(_dtype_key(x) for x in a)
+    try:
+        hash(a)
+    except TypeError:
+        return type(a)
+    return a
+
+
+def integral_refusal_by_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
+    """:func:`integral_refusal`, remembered per op and dtypes: for ops that run at every call
+    without a program of their own to build (a decomposition), where CPU is asked once."""
+    if not (_has_integral(args) or (kwargs and _has_integral(kwargs.values()))):
+        return None
+    key = (op, _dtype_key(args), _dtype_key(tuple(sorted(kwargs.items()))))
+    try:
+        return _verdicts[key]
+    except KeyError:
+        pass
+    if len(_verdicts) > 4096:
+        _verdicts.clear()
+    verdict = _verdicts[key] = integral_refusal(op, args, kwargs)
+    return verdict
 
 
 def is_meta_dtype_refusal(e: BaseException) -> bool:
