@@ -392,3 +392,28 @@ def test_integer_inputs_cpu_takes_still_compute():
     for f in (lambda t: t.abs(), lambda t: t.clamp(-1, 2), lambda t: t.cumsum(0), lambda t: t.sort().values,
               lambda t: (t * 3) // 2, lambda t: t.bool().logical_and(t.bool())):
         assert torch.equal(f(x.to("tpu")).cpu(), f(x))
+
+
+@pytest.mark.parametrize("where", ["all", "after a slice"])
+def test_one_value_through_a_uint8_mask_raises_as_on_cpu_and_more_values_write(where):
+    """CPU writes one value through a mask with masked_fill_, which refuses uint8; more values take
+    the deprecated uint8 mask (with its warning), as on CPU."""
+    base, mask = torch.zeros(2, 4), torch.tensor([1, 0, 1, 0], dtype=torch.uint8)
+    key = (slice(None), mask) if where == "after a slice" else mask.expand(2, 4)
+
+    def on(dev):
+        if isinstance(key, tuple):
+            return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in key)
+        return key.to(dev)
+
+    for dev in ("cpu", "tpu"):
+        x, k = base.to(dev), on(dev)
+        with pytest.raises(RuntimeError, match="masked_fill_ only supports boolean masks"):
+            x[k] = 1.0
+    cpu, tpu = base.clone(), base.to("tpu")
+    vals = torch.tensor([2.0, 3.0, 4.0, 5.0]) if where == "all" else torch.tensor([2.0, 3.0])
+    with pytest.warns(UserWarning, match="uint8 is now deprecated"):
+        cpu[key] = vals
+    with pytest.warns(UserWarning, match="uint8 is now deprecated"):
+        tpu[on("tpu")] = vals.to("tpu")
+    assert torch.equal(tpu.cpu(), cpu)

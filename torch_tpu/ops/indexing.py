@@ -229,6 +229,20 @@ def _is_mask(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
 
 
+def _refuse_a_byte_mask_fill(self: torch.Tensor, indices: list, args: tuple, kwargs: dict) -> None:
+    """CPU writes one value through one mask (``x[m] = 1.0``) with ``masked_fill_``, which refuses a
+    uint8 mask; the deprecated uint8 mask works only with more values or ``accumulate``. So does
+    tpu (torch's C++ takes that path only for a value on CPU; a tpu value is the same call here)."""
+    values = args[0] if args else kwargs.get("values")
+    accumulate = args[1] if len(args) > 1 else kwargs.get("accumulate", False)
+    given = [i for i in indices if i is not None]
+    if accumulate or values is None or values.numel() != 1 or len(given) != 1 or given[0].dtype != torch.uint8:
+        return
+    mask, start = given[0], next(k for k, i in enumerate(indices) if i is not None)
+    if start + mask.dim() <= self.dim() and tuple(mask.shape) == tuple(self.shape[start:start + mask.dim()]):
+        raise RuntimeError("masked_fill_ only supports boolean masks, but got mask with dtype unsigned char")
+
+
 def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
     """Registers a hand kernel for ``op``: masks become indices, then ``fn``'s lowering runs."""
     name = str(op).removeprefix("aten.")
@@ -242,6 +256,8 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
 
         def run(self, indices, *args, **kwargs):
             indices = list(indices)
+            if put:
+                _refuse_a_byte_mask_fill(self, indices, args, kwargs)
             for i in indices:
                 if i is not None and i.dtype == torch.uint8:  # CPU's deprecation, once per mask
                     site = fused.user_site() or ("<unknown>", 0)  # the user's line, however deep the wrappers
