@@ -82,3 +82,40 @@ def test_the_host_path_reads_strided_views_and_small_dtypes_like_cpu():
         assert got.dtype == dtype and torch.equal(got.cpu(), want), dtype
         assert torch.equal(base.cpu(), want_base), dtype
         assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) > before, dtype
+
+
+def _bookkeeping(device, steps):
+    """Positions extended as ``generate()`` extends them: ``last + 1`` between two ``cat``s, then
+    ops of fixed shapes on the result (a comparison, a reduction, a cast)."""
+    pos = torch.arange(4, device=device).view(1, 4).expand(2, 4).clone()
+    seen = []
+    for _ in range(steps):
+        nxt = pos[:, -1:] + 1
+        pos = torch.cat([pos, nxt], dim=-1)
+        seen.append(((nxt * 2) % 5 == 1).any(-1).to(torch.int32))
+    return pos, seen
+
+
+def test_ops_on_host_results_stay_on_the_host_and_match_cpu():
+    """An op whose tensor inputs are all host-path results runs on the host: ``pos[:, -1:] + 1`` has
+    the same shape at every step, and compiled it would be a one-op program the next host ``cat``
+    waits for. The values are CPU's, nothing compiles once the line churns, and a tensor that was
+    uploaded (not computed on the host) or computed on the device still compiles."""
+    _bookkeeping("tpu", 6)
+    compiles = torch_tpu.metrics()["compile_count"]
+    before = dict(torch_tpu.metrics()["host_op_counts"])
+    got, seen = _bookkeeping("tpu", 10)
+    want, want_seen = _bookkeeping("cpu", 10)
+    assert torch.equal(got.cpu(), want)
+    assert all(a.dtype == b.dtype and torch.equal(a.cpu(), b) for a, b in zip(seen, want_seen))
+    assert torch_tpu.metrics()["compile_count"] == compiles
+    after = torch_tpu.metrics()["host_op_counts"]
+    for op in ("aten.add.Tensor", "aten.remainder.Scalar", "aten.eq.Scalar", "aten.any.dim"):
+        assert after.get(op, 0) >= before.get(op, 0) + 7, op  # the first steps, before cat churns, compile
+
+    uploaded = torch.tensor([[3], [4]], device="tpu")  # from a loader: its ops keep their programs
+    on_device = torch.ones(2, 1, dtype=torch.int64, device="tpu") * 3
+    for x in (uploaded, on_device):
+        before = sum(torch_tpu.metrics()["host_op_counts"].values())
+        assert torch.equal((x + 7).cpu(), x.cpu() + 7)
+        assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before

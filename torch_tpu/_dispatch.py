@@ -322,7 +322,10 @@ class _OpKernel:
             out_avals = [jax.ShapeDtypeStruct(*o) for o in outs if o is not None]
         labels = [a.name for a in self.op._schema.arguments if not a.kwarg_only]
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
-        return Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled), avals, exact
+        built = Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled)
+        built.host_follows = (self.kind == "functional" and not random and not lowering.own_shapes
+                              and _shape_churn.may_follow(args, kwargs, avals))
+        return built, avals, exact
 
     def _runtime_int_key(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
         """A call's runtime inputs and signature with the value arguments' Python ints as runtime
@@ -438,6 +441,9 @@ class _OpKernel:
             pos = tuple(pos)
             key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
             entry = self.cache.get(key)
+            if (entry is None and kind == "functional" and not lowering.random
+                    and _shape_churn.inputs_on_host(args, kwargs)):
+                return _shape_churn.run(self.op, args, kwargs)  # host results in: nothing to compile or wait for
             if entry is None and self.int_sites and fused.user_site() in self.int_sites:
                 dyn, key = self._runtime_int_key(args, kwargs)  # a line whose ints change every call
                 entry = self.cache.get(key)
@@ -458,6 +464,8 @@ class _OpKernel:
                         return _view_churn.run_inplace(self, args, kwargs)
                 entry = self.cache[key] = self._build(key, args, kwargs)
             program, avals, exact = entry
+            if program.host_follows and _shape_churn.inputs_on_host(args, kwargs):
+                return _shape_churn.run(self.op, args, kwargs)  # a host op's results in, nothing to wait for
             if lowering.random:
                 generator = kwargs.get("generator")
                 if generator is None and self.generator_at is not None and self.generator_at < len(args):

@@ -20,6 +20,13 @@ uploaded (a transfer, not a compile). Inputs uploaded from the host keep their h
 chain of such ops (the ids extended every token) reads no device memory; an input computed on the
 device is read, a sync like the one ``generate()`` makes per token anyway.
 
+A host op's results stay on the host as well as being uploaded, and a compiled op whose tensor
+inputs are all such results runs on the host too (:func:`inputs_on_host`): ``position_ids[..., -1:]
++ 1`` between two host ``cat``s would otherwise be a one-op program that the second ``cat`` waits
+for, and on one device queue that wait is behind the whole forward just dispatched. The rule
+follows the data, not the op or the line, so the rest of a step (inputs a loader uploaded,
+anything computed on the device) is unchanged.
+
 Results are CPU's, bit for bit. Each such run is counted in ``metrics()["host_op_counts"]``.
 In-place and ``out=`` forms, random ops, graph capture and big tensors always compile.
 ``TORCH_TPU_HOST_CHURN=0`` turns the host path off.
@@ -126,6 +133,30 @@ def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def may_follow(args: tuple, kwargs: dict, avals: list) -> bool:
+    """Whether a functional op's program with these (example) inputs and results ``avals`` is small
+    integer bookkeeping that may run on the host when its inputs are there (:func:`inputs_on_host`):
+    decided once, when the program is built."""
+    if CHURN_AFTER <= 0 or not _small_integers(args, kwargs) or not avals:
+        return False
+    return all(a is not None and not (a[1].is_floating_point or a[1].is_complex) and math.prod(a[0]) <= MAX_ELEMENTS
+               for a in avals)
+
+
+def inputs_on_host(args: tuple, kwargs: dict) -> bool:
+    """Whether every tpu tensor among a call's arguments holds a host op's result (see the module
+    docstring), so the op reads nothing from the device if it runs on the host."""
+    if _storage._capture is not None:
+        return False
+    found = False
+    for a in _values(args, kwargs):
+        if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+            if not _storage.is_host_result(a):
+                return False
+            found = True
+    return found
+
+
 def _host_value(t: torch.Tensor) -> torch.Tensor:
     """The values of tpu tensor ``t`` as a CPU tensor, compiling nothing: a read-only view of its
     host copy when it was uploaded (the host ops only read their inputs), else a copy of its whole
@@ -162,7 +193,9 @@ def _upload(x: Any) -> Any:
     if type(x) is torch.Tensor and x.device.type == "cpu" and not x._is_zerotensor():
         from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
 
-        return _storage.new_tensor(tuple(x.shape), x.dtype, numpy_to_device(_dtypes.cpu_to_numpy(x)))
+        array = numpy_to_device(_dtypes.cpu_to_numpy(x))
+        _storage.mark_host_result(array)
+        return _storage.new_tensor(tuple(x.shape), x.dtype, array)
     if type(x) is list or type(x) is tuple:
         return type(x)(_upload(y) for y in x)
     from torch_tpu._fallback import _from_cpu

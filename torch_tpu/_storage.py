@@ -634,8 +634,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 # id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks,
-# and a CPU tensor over the data once host_tensor has made one)
-_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set, torch.Tensor | None]] = {}
+# a CPU tensor over the data once host_tensor has made one, and whether a host op computed it:
+# see is_host_result)
+_HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set, torch.Tensor | None, bool]] = {}
 _HOST_COPY_MAX_BYTES = 1 << 22
 
 
@@ -649,7 +650,23 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
         data.flags.writeable = False  # handed to readers as it is (host_copy)
         key = id(array)
-        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), None)
+        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), None,
+                             False)
+
+
+def mark_host_result(array: Any) -> None:
+    """Notes that a host op computed ``array`` (its host copy is that op's CPU result): the small
+    integer bookkeeping of a decoding loop, whose next ops then stay on the host too
+    (``_shape_churn.inputs_on_host``)."""
+    kept = _HOST_COPIES.get(id(array))
+    if kept is not None and kept[0]() is array:
+        _HOST_COPIES[id(array)] = (*kept[:4], True)
+
+
+def is_host_result(t: torch.Tensor) -> bool:
+    """Whether tpu tensor ``t`` reads, as its own element type, an array a host op computed."""
+    kept = _kept(t)
+    return kept is not None and kept[4]
 
 
 def _kept(t: torch.Tensor) -> tuple | None:
@@ -696,7 +713,7 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor | None:
             return None
         if whole.dtype != t.dtype:
             return None
-        _HOST_COPIES[id(t.untyped_storage()._jx)] = (kept[0], data, kept[2], whole)
+        _HOST_COPIES[id(t.untyped_storage()._jx)] = (kept[0], data, kept[2], whole, kept[4])
     if not t.storage_offset() and t.is_contiguous() and t.numel() == whole.numel():
         return whole.view(t.shape)
     return whole.as_strided(t.shape, t.stride(), t.storage_offset())

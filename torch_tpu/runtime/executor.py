@@ -176,7 +176,7 @@ class Program:
     programs, since their names may not show it (a view's offset, the storage it reads).
     """
 
-    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "_jitted", "__weakref__")
+    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "host_follows", "_jitted", "__weakref__")
 
     def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None,
                  key: tuple | None = None) -> None:
@@ -186,6 +186,8 @@ class Program:
         self.key = key
         self.fixed = avals  # the outputs' shapes and dtypes when the program has one input signature
         self.shapes: dict[tuple, list] = {}  # fused mode: input signature -> output shapes and dtypes
+        # an ATen op's program that may run on the host when its inputs are there (_shape_churn)
+        self.host_follows = False
         self._jitted: Callable[..., Any] | None = None
 
     def _compile_and_run(self, *inputs: Any) -> Any:
