@@ -26,6 +26,7 @@ import torch
 # Stand-ins bigger than this are not built (the check would cost more than it is worth); the meta
 # kernel's answer stands for such calls.
 _MAX_NUMEL = 1 << 22
+_SMALL = 4096  # a bigger stand-in is shrunk to one element per dim (int mm of a big matrix is slow on CPU)
 
 # The messages of torch's out wrapper (torch/_prims_common/wrappers.py) about an out tensor's
 # dtype: when CPU accepts that dtype, the meta kernel's refusal is not CPU's behaviour.
@@ -34,15 +35,24 @@ _ABOUT_DTYPES = re.compile(r"dtype|result type|non-boolean|can't be cast|for com
 _META_DTYPE_MESSAGES = ("Expected out tensor to have dtype", "Attempting to cast from")
 
 
-def _stand_in(a: Any) -> Any:
+def _stand_in(a: Any, shrink: bool = False) -> Any:
+    """A CPU stand-in for one argument of a call CPU is asked about: zeros of a tpu tensor's shape
+    and dtype, CPU for the tpu device, a fresh generator for the user's (asking must not advance
+    it). A tensor of more than ``_MAX_NUMEL`` elements raises ``_TooBig``, or with ``shrink`` (a
+    question about dtypes only) more than ``_SMALL`` stand in with one element per dimension."""
     if isinstance(a, torch.Tensor) and a.device.type == "tpu":
-        if a.numel() > _MAX_NUMEL:
+        n = a.numel()
+        if shrink and n > _SMALL:
+            return torch.zeros(tuple(min(d, 1) for d in a.shape), dtype=a.dtype)
+        if n > _MAX_NUMEL:
             raise _TooBig
         return torch.zeros(tuple(a.shape), dtype=a.dtype)
     if isinstance(a, (list, tuple)):
-        return type(a)(_stand_in(x) for x in a)
+        return type(a)(_stand_in(x, shrink) for x in a)
     if isinstance(a, torch.device) and a.type == "tpu":
         return torch.device("cpu")
+    if isinstance(a, torch.Generator):
+        return torch.Generator()
     return a
 
 
@@ -85,7 +95,6 @@ _INTEGRAL_REFUSAL = re.compile(r"not implemented for '(Bool|Byte|Char|Short|Int|
                                r"|Integer division with|can't be cast to the desired output type")
 _INTEGRAL = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                        torch.uint16, torch.uint32, torch.uint64})
-_SMALL = 4096  # a bigger stand-in is shrunk to one element per dim (int mm of a big matrix is slow on CPU)
 
 
 def _has_integral(args: Any) -> bool:
@@ -98,19 +107,6 @@ def _has_integral(args: Any) -> bool:
     return False
 
 
-def _small_stand_in(a: Any) -> Any:
-    if isinstance(a, torch.Tensor) and a.device.type == "tpu":
-        shape = tuple(a.shape) if a.numel() <= _SMALL else tuple(min(d, 1) for d in a.shape)
-        return torch.zeros(shape, dtype=a.dtype)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_small_stand_in(x) for x in a)
-    if isinstance(a, torch.device) and a.type == "tpu":
-        return torch.device("cpu")
-    if isinstance(a, torch.Generator):  # the user's generator is not advanced by asking
-        return torch.Generator()
-    return a
-
-
 def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
     """CPU's refusal of this call's integer or bool inputs, or None: the op run once on zero
     CPU stand-ins, when its program is built. torch's meta kernels accept what XLA computes
@@ -120,7 +116,7 @@ def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Ba
     if not (_has_integral(args) or (kwargs and _has_integral(kwargs.values()))):
         return None
     try:
-        cargs, ckw = _small_stand_in(args), {k: _small_stand_in(v) for k, v in kwargs.items()}
+        cargs, ckw = _stand_in(args, True), {k: _stand_in(v, True) for k, v in kwargs.items()}
         # a random op CPU accepts draws from CPU's generator, which the user's CPU draws must not see
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
