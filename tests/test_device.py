@@ -64,22 +64,87 @@ def test_seeding_is_reproducible():
     assert torch.tpu.initial_seed() == 3
 
 
+def _draws(g):
+    ones = torch.ones(6, device="tpu")
+    out = [
+        torch.randn(4, generator=g, device="tpu"), torch.rand(4, generator=g, device="tpu"),
+        torch.randint(0, 100, (4,), generator=g, device="tpu"), torch.randperm(6, generator=g, device="tpu"),
+        torch.empty(4, device="tpu").uniform_(generator=g), torch.empty(4, device="tpu").exponential_(generator=g),
+        torch.bernoulli(ones * 0.5, generator=g), torch.poisson(ones * 3, generator=g),
+        torch.multinomial(ones, 3, generator=g), torch.normal(ones, 2.0, generator=g),
+    ]
+    return [t.cpu() for t in out]
+
+
+_tpu_generators = pytest.mark.skipif(
+    not torch_tpu._extension.available(),
+    reason=f"torch_tpu's C++ extension: {torch_tpu._extension.why_not()}")
+
+
+@_tpu_generators
+def test_a_tpu_generator_is_a_seed_and_an_offset_like_cudas():
+    """``torch.Generator(device="tpu")`` (the C++ extension the set-up command builds): seeded
+    alike, the same numbers, and the default stream's numbers for that seed, as a CUDA generator
+    gives; each op advances its offset; its state saves and restores; the default state is left
+    alone."""
+    g = torch.Generator(device="tpu")
+    assert g.device == torch.device("tpu", 0) and g.initial_seed() == torch.Generator().initial_seed()
+    state = torch.tpu.get_rng_state()
+    first = _draws(torch.Generator(device="tpu").manual_seed(11))
+    again = _draws(torch.Generator("tpu").manual_seed(11))
+    other = _draws(torch.Generator("tpu").manual_seed(12))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1])
+    assert torch.equal(torch.tpu.get_rng_state(), state)
+
+    g.manual_seed(5)
+    a = torch.randn(8, device="tpu", generator=g)
+    assert g.get_offset() == 1
+    torch.manual_seed(5)
+    assert torch.equal(a.cpu(), torch.randn(8, device="tpu").cpu())
+
+    saved = g.get_state()
+    assert saved.dtype == torch.uint8 and saved.numel() == 16
+    x = torch.rand(5, device="tpu", generator=g)
+    g.set_state(saved)
+    assert torch.equal(torch.rand(5, device="tpu", generator=g).cpu(), x.cpu())
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        g.set_state(torch.zeros(3, dtype=torch.uint8))
+
+
+@_tpu_generators
+def test_a_tpu_generator_seeds_a_cpu_fallback_kernel():
+    """A random op served by the CPU fallback gets a CPU generator seeded from the tpu one's seed
+    and next offset: reproducible, and each call advances the tpu generator."""
+    from torch_tpu import _fallback
+
+    def draw(g):
+        return _fallback.cpu_fallback(torch.ops.aten.randn.generator, ([3],), {"generator": g, "device": "tpu"})
+
+    a, b = draw(torch.Generator("tpu").manual_seed(3)), draw(torch.Generator("tpu").manual_seed(3))
+    assert a.device.type == "tpu" and torch.equal(a.cpu(), b.cpu())
+    g = torch.Generator("tpu").manual_seed(3)
+    assert not torch.equal(draw(g).cpu(), draw(g).cpu()) and g.get_offset() == 2
+
+
+def test_without_the_extension_the_package_loads_and_says_why(tmp_path, monkeypatch):
+    """No compiler at set-up: nothing is loaded, the reason names the missing build, and the rest
+    of torch_tpu is unaffected (a CPU generator still seeds tpu random ops)."""
+    from torch_tpu import _extension
+
+    monkeypatch.setattr(_extension, "build_dir", lambda: tmp_path / "nothing-built")
+    monkeypatch.setattr(_extension, "_loaded", [])
+    assert _extension.load() is None and "not built" in _extension.why_not()
+    assert len(_draws(torch.Generator().manual_seed(1))) == 10
+
+
 def test_a_cpu_generator_seeds_tpu_random_ops():
-    """``torch.Generator(device="tpu")`` cannot exist (PyTorch's Python hooks), so a CPU generator
-    passed to a tpu random op seeds it: seeded alike, the same numbers; each op advances it; the
+    """A CPU generator passed to a tpu random op seeds it (the way where the C++ extension that
+    makes tpu generators is not built): seeded alike, the same numbers; each op advances it; the
     device's own state is left alone. It used to be ignored."""
 
     def draws(seed):
-        g = torch.Generator().manual_seed(seed)
-        ones = torch.ones(6, device="tpu")
-        out = [
-            torch.randn(4, generator=g, device="tpu"), torch.rand(4, generator=g, device="tpu"),
-            torch.randint(0, 100, (4,), generator=g, device="tpu"), torch.randperm(6, generator=g, device="tpu"),
-            torch.empty(4, device="tpu").uniform_(generator=g), torch.empty(4, device="tpu").exponential_(generator=g),
-            torch.bernoulli(ones * 0.5, generator=g), torch.poisson(ones * 3, generator=g),
-            torch.multinomial(ones, 3, generator=g), torch.normal(ones, 2.0, generator=g),
-        ]
-        return [t.cpu() for t in out]
+        return _draws(torch.Generator().manual_seed(seed))
 
     state = torch.tpu.get_rng_state()
     first, again, other = draws(11), draws(11), draws(12)

@@ -30,6 +30,9 @@ from torch_tpu import _compat, _device  # noqa: E402
 _compat.keep_linalg_checks_in_graphs()
 
 _device.register()
+from torch_tpu import _extension  # noqa: E402
+
+_extension.load()  # torch.Generator(device="tpu"), where the set-up command built the C++ extension
 from torch_tpu import _module_move  # noqa: E402
 
 _module_move.install()

@@ -44,6 +44,10 @@ def _to_cpu_arg(a: Any) -> Any:
         return to_cpu(a).clone()
     if isinstance(a, torch.device) and a.type == "tpu":
         return torch.device("cpu")
+    if isinstance(a, torch.Generator) and a.device.type == "tpu":  # CPU's kernel takes a CPU generator
+        from torch_tpu import _rng
+
+        return _rng.cpu_generator_from(a)
     return a
 
 

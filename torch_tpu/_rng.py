@@ -1,8 +1,11 @@
 """The device's random number state.
 
-PyTorch's Python hooks cannot hand a backend a ``torch.Generator``, so the backend keeps its own:
-a seed and a counter. Each random op takes ``fold_in(key(seed), counter)`` *inside* its program,
-with both as runtime inputs, so drawing numbers costs no host-side jax call and never recompiles.
+The default state is a seed and a counter kept here (``torch.manual_seed`` and ``torch.tpu``'s
+functions set it). Each random op takes ``fold_in(key(seed), counter)`` *inside* its program, with
+both as runtime inputs, so drawing numbers costs no host-side jax call and never recompiles. A
+``torch.Generator(device="tpu")`` (made through the C++ extension, ``_extension``) is the same
+pair: its seed, and its offset as the counter, so it gives the default stream's numbers for the
+same seed, as a CUDA generator does.
 """
 
 from __future__ import annotations
@@ -56,18 +59,31 @@ capture_log: list | None = None
 
 
 def inputs_from(generator: torch.Generator) -> list[np.ndarray]:
-    """The two runtime inputs of a random op given a ``torch.Generator``, drawn from it. A tpu
-    generator cannot be made (the Python hooks again), so a CPU one stands in: seeded alike, it
-    gives the same numbers, and each op advances it; the device's own state is left alone."""
+    """The two runtime inputs of a random op given a ``torch.Generator``. A tpu generator's are its
+    seed and its next offset, which the op advances. A CPU generator (where the C++ extension that
+    makes tpu generators is not built) draws the pair: seeded alike, it gives the same numbers, and
+    each op advances it. Either way the device's default state is left alone."""
     if capture_log is not None:
         raise NotImplementedError(
-            "tpu graph capture: a random op with an explicit torch.Generator cannot be captured (its numbers "
-            "are drawn on the host, so every replay would repeat them); use the default generator inside the "
-            "captured region (torch.manual_seed seeds it)"
+            "tpu graph capture: a random op with an explicit torch.Generator cannot be captured (its state "
+            "is read on the host, so every replay would repeat the same numbers); use the default generator "
+            "inside the captured region (torch.manual_seed seeds it)"
         )
+    if generator.device.type == "tpu":
+        with _lock:
+            counter = generator.get_offset() + 1
+            generator.set_offset(counter)
+        return [np.uint32(generator.initial_seed() & 0xFFFF_FFFF), np.uint32(counter & 0xFFFF_FFFF)]
     seed_in, counter_in = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
                                         device=generator.device).tolist()
     return [np.uint32(seed_in), np.uint32(counter_in)]
+
+
+def cpu_generator_from(generator: torch.Generator) -> torch.Generator:
+    """A CPU generator for a CPU kernel that runs a tpu generator's random op (the CPU fallback):
+    seeded from the tpu generator's seed and next offset, which the op advances."""
+    seed_in, counter_in = inputs_from(generator)
+    return torch.Generator().manual_seed((int(seed_in) << 32) | int(counter_in))
 
 
 def key_from(seed_in, counter_in):

@@ -1,0 +1,97 @@
+"""torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
+
+Today that is one thing, ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+only through a factory registered from C++ (``csrc/generator.cpp``). The set-up command builds the
+extension against the installed torch (:func:`main`, which ``make`` runs), into a
+folder per torch and Python version, since one source tree may serve several virtual environments.
+
+Without it everything else works: a tpu generator then cannot be made (torch raises its own
+NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_NAME = "torch_tpu_C"
+_SOURCES = [Path(__file__).parent / "csrc" / "generator.cpp"]
+_loaded: list[ModuleType | None] = []
+_why: list[str] = []
+
+
+def build_dir() -> Path:
+    """Where the extension for this torch and Python lives: built against one torch, it loads only there."""
+    tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(__file__).parent / "_ext" / tag
+
+
+def build(verbose: bool = False) -> Path:
+    """Compiles the extension with ``torch.utils.cpp_extension`` (a C++ compiler is needed)."""
+    from torch.utils.cpp_extension import load
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    load(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(where), extra_cflags=["-O2"],
+         verbose=verbose)
+    return where
+
+
+def _library(where: Path) -> Path | None:
+    found = sorted(where.glob(f"{_NAME}*.so")) + sorted(where.glob(f"{_NAME}*.pyd"))
+    return found[0] if found else None
+
+
+def load() -> ModuleType | None:
+    """The extension, loaded once and its generator registered; None where it was not built (or
+    does not load with this torch): :func:`why_not` says why."""
+    if _loaded:
+        return _loaded[0]
+    module = None
+    path = _library(build_dir())
+    if path is None:
+        _why.append(f"not built for this torch ({build_dir()}); torch_tpu._extension.main() builds it")
+    else:
+        try:
+            spec = importlib.util.spec_from_file_location(_NAME, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.register_generator()
+        except Exception as e:  # noqa: BLE001 - any failure leaves the package as it is without it
+            module = None
+            _why.append(f"{path} did not load: {type(e).__name__}: {e}")
+    # torch's own note, at every tpu generator made through the registration above
+    warnings.filterwarnings("ignore", message=r"GetGeneratorForPrivateuse1\(\) is deprecated",
+                            category=DeprecationWarning)
+    _loaded.append(module)
+    return module
+
+
+def available() -> bool:
+    """Whether ``torch.Generator(device="tpu")`` can be made in this process."""
+    return load() is not None
+
+
+def why_not() -> str:
+    return _why[-1] if _why else ""
+
+
+def main() -> int:
+    """The set-up step: builds the extension; a failure is reported, not fatal (see the module)."""
+    try:
+        where = build()
+    except Exception as e:  # noqa: BLE001 - no compiler, or a torch whose headers lack the registration
+        print(f"torch_tpu: the C++ extension was not built ({type(e).__name__}: {str(e)[:300]}); "
+              "torch.Generator(device='tpu') will be unavailable, everything else works", file=sys.stderr)
+        return 0
+    print(f"torch_tpu: C++ extension built in {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
