@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torch_tpu import _dtypes, _int_churn, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
@@ -109,6 +110,10 @@ _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _FLOAT_KEY = _Scalar((float,))
 _INT_KEY = _Scalar((int,))
 _BOOL_KEY = _Scalar((bool,))
+# the dtypes of 0-d CPU tensors (Python numbers torch wraps, ``x * 0.5``) that _key_of reads with
+# ``item()``, exactly, and makes a numpy scalar of, several times cheaper than _spec's copy
+_WRAPPED = {torch.float64: np.float64, torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
+            torch.bool: np.bool_}
 
 
 def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
@@ -125,8 +130,12 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
         try:
             v = st._jx
             dtype = st._dtype
-        except AttributeError:
-            return _SLOW
+        except AttributeError:  # a CPU tensor: a wrapped number (``x + 1``) is _spec's runtime 0-d input
+            to_np = _WRAPPED.get(a.dtype)
+            if to_np is None or a.dim() or a.device.type != "cpu":
+                return _SLOW
+            dyn.append(np.array(a.item(), to_np))  # a fresh 0-d array, as _spec's copy: the op may run later
+            return (a.dtype,)
         if dtype is not a.dtype or v is None or _storage._capture is not None:
             return _SLOW
         if type(v) is _Lazy:

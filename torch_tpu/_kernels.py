@@ -98,13 +98,20 @@ def _make_put() -> Any:
         put, default_device = xla_client.batched_device_put, pxla.get_default_device
         shaped = jax.core.ShapedArray
         placements: dict[Any, tuple[Any, list]] = {}  # device -> (its sharding, [device])
+        avals: dict[tuple, Any] = {}  # (shape, dtype) -> its ShapedArray: making one costs more than the put
 
         def device_put(data: np.ndarray) -> Any:
             device = default_device()
             where = placements.get(device)
             if where is None:
                 where = placements[device] = (jax.sharding.SingleDeviceSharding(device), [device])
-            return put(shaped(data.shape, data.dtype), where[0], [data], where[1], False)
+            k = (data.shape, data.dtype)
+            aval = avals.get(k)
+            if aval is None:
+                if len(avals) > 4096:  # a loader of ragged batches: a bounded memo
+                    avals.clear()
+                aval = avals[k] = shaped(data.shape, data.dtype)
+            return put(aval, where[0], [data], where[1], False)
 
         probe = np.arange(3, dtype=np.float32)
         if not np.array_equal(np.asarray(device_put(probe)), probe):

@@ -193,8 +193,11 @@ def _upload(x: Any) -> Any:
     if type(x) is torch.Tensor and x.device.type == "cpu" and not x._is_zerotensor():
         from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
 
-        array = numpy_to_device(_dtypes.cpu_to_numpy(x))
-        _storage.mark_host_result(array)
+        data = _dtypes.cpu_to_numpy(x)
+        array = numpy_to_device(data)
+        # x over the same memory, flat (a contiguous result of the host op: the host copy is its memory)
+        whole = x.view(-1) if x.is_contiguous() and not x.is_conj() and not x.is_neg() else None
+        _storage.mark_host_result(array, whole)
         return _storage.new_tensor(tuple(x.shape), x.dtype, array)
     if type(x) is list or type(x) is tuple:
         return type(x)(_upload(y) for y in x)

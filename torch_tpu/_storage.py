@@ -654,13 +654,14 @@ def remember_host_copy(array: Any, data: np.ndarray) -> None:
                              False)
 
 
-def mark_host_result(array: Any) -> None:
+def mark_host_result(array: Any, whole: torch.Tensor | None = None) -> None:
     """Notes that a host op computed ``array`` (its host copy is that op's CPU result): the small
     integer bookkeeping of a decoding loop, whose next ops then stay on the host too
-    (``_shape_churn.inputs_on_host``)."""
+    (``_shape_churn.inputs_on_host``). ``whole``: that result as a flat CPU tensor over the host
+    copy's memory, which :func:`host_tensor` then hands out as it is (no wrapping per upload)."""
     kept = _HOST_COPIES.get(id(array))
     if kept is not None and kept[0]() is array:
-        _HOST_COPIES[id(array)] = (*kept[:4], True)
+        _HOST_COPIES[id(array)] = (*kept[:3], kept[3] if whole is None else whole, True)
 
 
 def is_host_result(t: torch.Tensor) -> bool:

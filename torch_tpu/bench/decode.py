@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 import torch_tpu
+from torch_tpu.runtime import metrics as _metrics
 
 MODES = ("cpu", "fused", "compile", "compile-fused", "strict")
 # decodes per mode: the first gives the first-token latency and the compiles; the last ``TIMED`` the
@@ -147,7 +148,16 @@ def _choose(logits: torch.Tensor, ids: torch.Tensor, processor: Any, generator: 
 
 
 def _compiles() -> int:
+    """Programs compiled so far, with what is still recorded run first (``metrics()`` settles)."""
     return torch_tpu.metrics()["compile_count"]
+
+
+def _compiled_so_far() -> int:
+    """Programs compiled so far, without running what is recorded: a token's mark must not add a
+    sync that the user's loop does not have (``metrics()`` would run the pending trace at every
+    token, a flush more per token in fused mode). What is pending is counted at a later mark or
+    at the settled count after the call."""
+    return _metrics.compile_totals[0]
 
 
 class _Clock:
@@ -162,7 +172,7 @@ class _Clock:
     def mark(self) -> None:
         if self.device == "tpu" and self.sync:
             torch_tpu.sync()
-        self.marks.append((time.perf_counter(), time.process_time(), _compiles() if self.device == "tpu" else 0))
+        self.marks.append((time.perf_counter(), time.process_time(), _compiled_so_far() if self.device == "tpu" else 0))
 
 
 def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
@@ -214,13 +224,16 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 tokens = _run(model, loop, prompt, new, clock)
-            runs.append((start, clock.marks, tokens.cpu()))
+            tokens = tokens.cpu()
+            # settled after the call: what the last marks left pending (the last step's) is counted
+            end = _compiles() if device == "tpu" else 0
+            runs.append((start, clock.marks, tokens, end))
     finally:
         if device == "tpu":
             torch_tpu.set_eager_mode(previous)
-    (start0, marks0, tokens), (_, marks1, _) = runs[0], runs[-1]
+    (start0, marks0, tokens, end0), (_, marks1, _, end1) = runs[0], runs[-1]
     timed = []
-    for _, marks, _ in runs[-TIMED:]:
+    for _, marks, _, _ in runs[-TIMED:]:
         steady = marks[1:]  # token 2 onwards: the steady per-token step
         timed.append((steady[-1][0] - steady[0][0], steady[-1][1] - steady[0][1], len(steady) - 1))
     seconds, cpu, steps = sorted(timed)[len(timed) // 2]
@@ -232,9 +245,9 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
         "first_token_s": round(first[0] - start0[0], 3),
         "first_call_s": round(marks0[-1][0] - start0[0], 2),
         # torch_tpu's counts; None for the export loop, whose program JAX compiles
-        "compiles_first_call": None if device != "tpu" else marks0[-1][2] - start0[2],
-        "compiles_after_token_8": None if device != "tpu" else marks0[-1][2] - later[2],
-        "compiles_last_call": None if device != "tpu" else marks1[-1][2] - marks1[0][2],
+        "compiles_first_call": None if device != "tpu" else end0 - start0[2],
+        "compiles_after_token_8": None if device != "tpu" else end0 - later[2],
+        "compiles_last_call": None if device != "tpu" else end1 - marks1[0][2],
         "tokens": tokens,
     }
 
