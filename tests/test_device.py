@@ -64,6 +64,26 @@ def test_seeding_is_reproducible():
     assert torch.tpu.initial_seed() == 3
 
 
+def test_rng_states_of_all_devices_round_trip_like_cudas():
+    """Checkpointing code written for CUDA saves ``get_rng_state_all()`` and restores it with
+    ``set_rng_state_all``: the same draws follow. tpu devices share one stream, so states that
+    disagree are refused, not reduced to one of them."""
+    torch.tpu.init()
+    assert torch.tpu.is_initialized()
+    torch.tpu.manual_seed_all(11)
+    states = torch.tpu.get_rng_state_all()
+    assert len(states) == torch.tpu.device_count()
+    first = torch.rand(5, device="tpu").cpu()
+    torch.rand(3, device="tpu")
+    torch.tpu.set_rng_state_all(states)
+    assert torch.equal(torch.rand(5, device="tpu").cpu(), first)
+    torch.tpu.set_rng_state_all([])  # nothing to restore, as on CUDA
+    other = torch.tpu.get_rng_state()
+    torch.tpu.manual_seed(12)
+    with pytest.raises(ValueError, match="share one random stream"):
+        torch.tpu.set_rng_state_all([other, torch.tpu.get_rng_state()])
+
+
 def _draws(g):
     ones = torch.ones(6, device="tpu")
     out = [

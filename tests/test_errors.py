@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_tpu
+from tests.conftest import assert_same, cpu_error
+
 
 def both(f, *shapes):
     cs = [torch.randn(*s) for s in shapes]
@@ -417,3 +420,39 @@ def test_one_value_through_a_uint8_mask_raises_as_on_cpu_and_more_values_write(w
     with pytest.warns(UserWarning, match="uint8 is now deprecated"):
         tpu[on("tpu")] = vals.to("tpu")
     assert torch.equal(tpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_an_allocation_xla_cannot_make_raises_torchs_out_of_memory_error(mode):
+    """CPU raises a RuntimeError for an allocation it cannot make, CUDA ``torch.OutOfMemoryError``
+    (a RuntimeError): XLA's RESOURCE_EXHAUSTED is the latter, whichever sync point reports it, with
+    the op named, and the device works on afterwards."""
+    n = 2**40  # 4 TiB of float32: no machine here has it
+    assert issubclass(cpu_error(torch.zeros, n), RuntimeError)
+    with torch_tpu.set_eager_mode(mode):
+        with pytest.raises(torch.OutOfMemoryError, match=r"^tpu out of memory\. .*RESOURCE_EXHAUSTED") as e:
+            x = torch.zeros(n, device="tpu")  # kept: fused, a sum of zeros it drops would need no memory
+            x.sum().item()
+        assert len(e.value.args) == 1
+        assert torch.tpu.OutOfMemoryError is torch.cuda.OutOfMemoryError
+        assert_same(torch.arange(4, device="tpu") * 2, torch.arange(4) * 2)
+
+
+def test_accelerates_batch_size_finder_steps_down_past_a_tpu_out_of_memory():
+    """``accelerate.utils.find_executable_batch_size``, written for CUDA, halves the batch when the
+    step raises an out-of-memory error it recognises; on tpu it must recognise XLA's."""
+    memory = pytest.importorskip("accelerate.utils.memory")
+    tried = []
+
+    @memory.find_executable_batch_size(starting_batch_size=64)
+    def step(batch_size):
+        tried.append(batch_size)
+        # more than 16 rows asks XLA for an allocation it cannot make
+        x = torch.ones(2**40 if batch_size > 16 else batch_size, device="tpu")
+        return float(x.sum())
+
+    result = step()
+    # accelerate's own schedule (it has multiplied by 0.9, and halved in other versions): every size
+    # over 16 failed, the first at most 16 ran
+    assert tried[0] == 64 and all(b > 16 for b in tried[:-1]) and tried[-1] <= 16
+    assert result == float(tried[-1])

@@ -124,6 +124,39 @@ def set_rng_state(new_state: torch.Tensor, device: int | str | torch.device = "t
     _rng.set_state(new_state)
 
 
+def get_rng_state_all() -> list[torch.Tensor]:
+    """One state per device, as ``torch.cuda.get_rng_state_all`` (checkpointing code saves it so).
+    The devices share one random stream (one program runs on all of them), so every entry is the
+    same state."""
+    return [_rng.get_state() for _ in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    """Restores :func:`get_rng_state_all`'s states. They must agree: tpu devices share one stream,
+    and a list of different per-device states (saved from CUDA devices, say) has no faithful
+    meaning here, so it is refused rather than reduced to one of them."""
+    states = list(new_states)
+    if not states:
+        return
+    first = states[0].detach().cpu()
+    for i, other in enumerate(states[1:], 1):
+        if not torch.equal(other.detach().cpu(), first):
+            raise ValueError(
+                f"torch.tpu.set_rng_state_all: state {i} differs from state 0; tpu devices share one random "
+                "stream, so every device's state must be the same (pass one with torch.tpu.set_rng_state)")
+    _rng.set_state(first)
+
+
+def init() -> None:
+    """Starts the XLA runtime now rather than at the first tpu tensor, like ``torch.cuda.init``."""
+    _devices()
+
+
+# what CUDA raises when an allocation fails (``torch.cuda.OutOfMemoryError``); XLA's RESOURCE_EXHAUSTED
+# surfaces as it (torch_tpu.runtime.errors)
+OutOfMemoryError = torch.OutOfMemoryError
+
+
 def get_device_name(device: int | str | torch.device | None = None) -> str:
     d = jax_device(_index_of(device))
     return f"{d.device_kind} ({d.platform}:{d.id})"

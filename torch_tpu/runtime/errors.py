@@ -24,6 +24,8 @@ def named_error(e: BaseException, where: str) -> BaseException:
     unchanged when the exception is not an op's."""
     if type(e).__module__.partition(".")[0] not in _OUR_MODULES or not e.args:
         return e
+    if isinstance(e, RuntimeError) and str(e).startswith("RESOURCE_EXHAUSTED") and _raised_by_jax_runtime(e):
+        return _out_of_memory(e, where)
     text = f"{where}: {e}"
     if isinstance(e, TypeError) and _raised_by_jax(e) and "dtype" in str(e):
         # jax.numpy refusing a dtype (bitwise ops on floats): CPU's kernel says "not implemented
@@ -37,6 +39,21 @@ def named_error(e: BaseException, where: str) -> BaseException:
         e.add_note(where)
         return e
     return new
+
+
+def _raised_by_jax_runtime(e: BaseException) -> bool:
+    """Whether ``e`` is the XLA runtime's own error (jaxlib's ``JaxRuntimeError``/``XlaRuntimeError``)."""
+    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
+def _out_of_memory(e: BaseException, where: str) -> BaseException:
+    """XLA's ``RESOURCE_EXHAUSTED`` as ``torch.OutOfMemoryError``, what CUDA raises: code written
+    for CUDA catches that (``except torch.cuda.OutOfMemoryError``), and batch-size finders look for
+    " out of memory." in a RuntimeError's one argument (accelerate's ``find_executable_batch_size``).
+    It is a RuntimeError, as CPU's failed allocation is."""
+    import torch  # this module imports nothing of the runtime; torch is loaded long before any op runs
+
+    return torch.OutOfMemoryError(f"tpu out of memory. {where}: {e}")
 
 
 def _raised_by_jax(e: BaseException) -> bool:
