@@ -133,6 +133,23 @@ def test_a_tpu_generator_is_a_seed_and_an_offset_like_cudas():
 
 
 @_tpu_generators
+def test_making_a_tpu_generator_warns_nothing_even_with_warnings_as_errors():
+    """torch prints a deprecation notice about the registration the extension must use at every
+    generator made; a suite run with warnings as errors (pytest's ``-W error``) must still make one."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()  # no filter of torch_tpu's left, as a harness leaves none
+        warnings.simplefilter("always")
+        g = torch.Generator(device="tpu").manual_seed(2)
+        torch.rand(2, device="tpu", generator=g)
+    assert [str(w.message) for w in seen] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.Generator(device="tpu").device.type == "tpu"
+
+
+@_tpu_generators
 def test_a_tpu_generator_seeds_a_cpu_fallback_kernel():
     """A random op served by the CPU fallback gets a CPU generator seeded from the tpu one's seed
     and next offset: reproducible, and each call advances the tpu generator."""

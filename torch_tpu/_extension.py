@@ -65,7 +65,9 @@ def load() -> ModuleType | None:
         except Exception as e:  # noqa: BLE001 - any failure leaves the package as it is without it
             module = None
             _why.append(f"{path} did not load: {type(e).__name__}: {e}")
-    # torch's own note, at every tpu generator made through the registration above
+    # torch's own note, at every tpu generator made through the registration above: the extension
+    # takes it out of a Python caller's warning buffer (csrc/generator.cpp); this filter is for where
+    # it cannot (another ABI)
     warnings.filterwarnings("ignore", message=r"GetGeneratorForPrivateuse1\(\) is deprecated",
                             category=DeprecationWarning)
     _loaded.append(module)
