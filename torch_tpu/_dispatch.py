@@ -162,11 +162,19 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
     if t is list:
         if not a:
             return ()
-        if type(a[0]) is int and dynamic != NUMBERS:
+        first = type(a[0])
+        if first is int and dynamic != NUMBERS:
             for x in a:
                 if type(x) is not int:
                     return _SLOW
             return tuple(a)
+        if first is float and all(type(x) is float for x in a):
+            # a foreach op's scalars (AdamW's bias corrections, one per parameter): each float as
+            # the loop below would key it, without a call per element
+            if not dynamic:
+                return tuple(a)
+            dyn.extend(a)
+            return (_FLOAT_KEY,) * len(a)
         out = []
         start = len(dyn)
         # a foreach op's list: the tensor case above, inline, for tensors whose storage holds an

@@ -391,7 +391,9 @@ def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
                 r.error, r.node = e, None
             raise
         _bind(live, position, values, entry.slots)
-        if _one_device and _one_device[0] and len(_templates) < _MAX_TEMPLATES:
+        if not _one_device:  # set by _layout, which a trace without array inputs never calls
+            _one_device.append(jax.device_count() == 1)
+        if _one_device[0] and len(_templates) < _MAX_TEMPLATES:
             _templates[programs] = _Template(nodes, key, args, uses, donate, want, entry)
 
 
