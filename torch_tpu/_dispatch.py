@@ -110,10 +110,9 @@ _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _FLOAT_KEY = _Scalar((float,))
 _INT_KEY = _Scalar((int,))
 _BOOL_KEY = _Scalar((bool,))
-# the dtypes of 0-d CPU tensors (Python numbers torch wraps, ``x * 0.5``) that _key_of reads with
-# ``item()``, exactly, and makes a numpy scalar of, several times cheaper than _spec's copy
-_WRAPPED = {torch.float64: np.float64, torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
-            torch.bool: np.bool_}
+# 0-d CPU tensors (Python numbers torch wraps, ``x * 0.5``) of these dtypes _key_of reads with
+# ``item()``, exactly, into a 0-d array of the same dtype: several times cheaper than _spec's copy
+_WRAPPED = {d: _dtypes.TORCH_TO_JAX[d] for d in (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool)}
 
 
 def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
