@@ -51,6 +51,68 @@ def test_convolution_channel_mismatch_in_cpu_words(x_shape, w_shape, groups, tra
     assert want.startswith("Given ") and want in message("tpu")
 
 
+_CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _conv_case(dim, transposed, groups, dilated, dtype, x_format, w_format, dev):
+    gen = torch.Generator().manual_seed(dim * 100 + groups * 10 + transposed)
+    x = torch.randn((2, 4) + (6,) * dim, dtype=dtype, generator=gen)
+    w_shape = (4, 6 // groups) if transposed else (6, 4 // groups)
+    w = torch.randn(w_shape + (3,) * dim, dtype=dtype, generator=gen)
+    b = torch.randn(6, dtype=dtype, generator=gen)
+    if x_format:
+        x = x.contiguous(memory_format=_CL[x.dim()])
+    if w_format:
+        w = w.contiguous(memory_format=_CL[w.dim()])
+    n = (1,) * dim
+    return [x.to(dev), w.to(dev), b.to(dev), n, (0,) * dim, (2,) * dim if dilated else n, transposed, (0,) * dim,
+            groups]
+
+
+@pytest.mark.parametrize("dim, x_format, w_format", [
+    (1, False, False), (2, False, False), (2, True, False), (2, False, True), (3, True, False), (3, False, True),
+])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # CPU: oneDNN kernels, then its slow ones
+def test_convolution_backend_choice_and_layouts_are_cpus(dim, x_format, w_format, transposed, dtype):
+    # torch's kernel choice for a tpu convolution is CPU's, and so are the memory formats of the
+    # result and of both gradients it implies: eager, and FakeTensor's prediction under compile
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    groups, dilated = (2, True) if dtype == torch.float64 else (1, False)
+    seen = {}
+    for dev in ["cpu", "tpu"]:
+        args = _conv_case(dim, transposed, groups, dilated, dtype, x_format, w_format, dev)
+        backend = torch._C._select_conv_backend(*args)
+        out = torch.ops.aten.convolution(*args)
+        grads = torch.ops.aten.convolution_backward(
+            torch.ones_like(out), args[0], args[1], [6], *args[3:], [True, True, False])
+        with FakeTensorMode() as mode:
+            fake = torch.ops.aten.convolution(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                for a in args])
+        seen[dev] = backend, out, grads, fake.stride()
+    (cpu_backend, cpu_out, cpu_grads, cpu_fake), (backend, out, grads, fake) = seen["cpu"], seen["tpu"]
+    assert backend == cpu_backend and fake == cpu_fake
+    assert out.stride() == cpu_out.stride()
+    torch.testing.assert_close(out.cpu(), cpu_out)
+    assert grads[2] is None
+    for got, want in zip(grads[:2], cpu_grads[:2]):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got.cpu(), want)
+
+
+def test_a_copy_to_the_host_keeps_a_dense_layout():
+    # as a copy from CUDA: channels_last and transposed tensors keep their strides, others are
+    # made contiguous
+    x = torch.randn(2, 4, 5, 6, device="tpu")
+    for t, dense in [(x.contiguous(memory_format=torch.channels_last), True), (x.transpose(1, 3), True),
+                     (x[:, :, ::2], False), (x, True)]:
+        host = t.cpu()
+        assert host.stride() == (t.stride() if dense else torch.empty(t.shape).stride())
+        assert torch.equal(host, t.to("cpu", memory_format=torch.contiguous_format))
+        assert t.to("cpu", memory_format=torch.contiguous_format).is_contiguous()
+
+
 def test_forward_ad_tangent_of_a_view():
     # a primal that views another storage (x.real) gets a tangent laid out like it, writable
     def run(dev):

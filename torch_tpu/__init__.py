@@ -46,6 +46,7 @@ _fallback.register()
 _host.install()
 _storage_api.install()
 _autocast.install()
+ops.conv.install()
 
 from torch_tpu._device import platform  # noqa: E402
 from torch_tpu.compile.export import export, load  # noqa: E402

@@ -298,10 +298,11 @@ class _OpKernel:
         exact: Any = not lowering.own_shapes and None not in avals
         # A result whose meta strides are not contiguous (an elementwise op on a channels_last or
         # permuted input, as CPU's TensorIterator lays it out) is stored in that physical order:
-        # the program transposes it, and the tensor gets the meta strides over that storage.
+        # the program transposes it, and the tensor gets the meta strides over that storage. Also
+        # where a backward's output_mask leaves some results undefined (a convolution's gradients).
         layouts = None
-        if exact and self.kind == "functional":
-            layouts = [_layout(m) for m in metas]
+        if not lowering.own_shapes and self.kind == "functional":
+            layouts = [None if m is None else _layout(m) for m in metas]
             if any(layouts):
                 exact = layouts
             else:
@@ -327,13 +328,14 @@ class _OpKernel:
             pkw = {k: _rebuild(s, it) for k, s in zip(kw_names, (s for _, s in kw_spec))}
             res = lowering.apply(key, pargs, pkw, outs, name)
             if perms is not None:
-                return tuple(r if p is None else jnp.transpose(r, p) for r, p in zip(res, perms))
+                return tuple(r if p is None else jnp.transpose(r, p) for r, p in zip(res, perms) if r is not None)
             return tuple(r for r in res if r is not None)
 
         if lowering.own_shapes:
             out_avals = None
         elif layouts is not None:
-            out_avals = [jax.ShapeDtypeStruct(o[0] if lay is None else lay[1], o[1]) for o, lay in zip(outs, layouts)]
+            out_avals = [jax.ShapeDtypeStruct(o[0] if lay is None else lay[1], o[1])
+                         for o, lay in zip(outs, layouts) if o is not None]
         else:
             out_avals = [jax.ShapeDtypeStruct(*o) for o in outs if o is not None]
         labels = [a.name for a in self.op._schema.arguments if not a.kwarg_only]
@@ -497,9 +499,11 @@ class _OpKernel:
                     tensors = [new_tensor(shape, dtype, o) for o, (shape, dtype) in zip(outs, avals)]
                 elif exact:  # some results laid out as their meta strides say (channels_last)
                     strided = _storage.new_strided
+                    it = iter(outs)
                     tensors = [
-                        new_tensor(shape, dtype, o) if lay is None else strided(shape, lay[0], lay[1], dtype, o)
-                        for o, (shape, dtype), lay in zip(outs, avals, exact)
+                        None if a is None else new_tensor(a[0], a[1], next(it)) if lay is None
+                        else strided(a[0], lay[0], lay[1], a[1], next(it))
+                        for a, lay in zip(avals, exact)
                     ]
                 else:  # results undefined by an output_mask (None), or of the lowering's own shapes
                     it = iter(outs)

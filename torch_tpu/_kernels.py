@@ -202,6 +202,9 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         out = to_cpu(self).to(dtype)
         if memory_format not in (None, torch.preserve_format):
             out = out.contiguous(memory_format=memory_format)
+        elif not self.is_contiguous() and dense_layout(tuple(self.shape), tuple(self.stride())) is not None:
+            # a dense layout (channels_last, a transpose) keeps its strides, as a copy from CUDA does
+            out = torch.empty_strided(self.shape, self.stride(), dtype=dtype).copy_(out)
         return out
     if target.type != "tpu":
         raise device_mismatch("aten._to_copy", target)
