@@ -50,6 +50,31 @@ def test_memory_stats_never_made_up():
         assert used >= 0 and torch.tpu.max_memory_allocated() >= used
 
 
+def test_memory_summary_tabulates_xlas_statistics(monkeypatch):
+    import torch_tpu._device as device
+
+    try:
+        torch.tpu.memory_stats()
+    except RuntimeError as e:  # XLA:CPU keeps none: the summary says so the same way
+        with pytest.raises(RuntimeError, match="reports no memory statistics"):
+            torch.tpu.memory_summary()
+        assert "reports no memory statistics" in str(e)
+    monkeypatch.setattr(device, "memory_stats", lambda device=None: {"bytes_in_use": 3 << 20, "num_allocs": 7})
+    text = torch.tpu.memory_summary()
+    assert "bytes_in_use" in text and "3.00 MiB" in text and "num_allocs" in text and " 7" in text
+
+
+def test_cudas_older_memory_names_and_device_of():
+    assert torch.tpu.memory_cached is torch.tpu.memory_reserved
+    assert torch.tpu.max_memory_cached is torch.tpu.max_memory_reserved
+    with pytest.raises(NotImplementedError, match="no reset"):
+        torch.tpu.reset_max_memory_allocated()
+    with torch.tpu.device_of(torch.ones(2, device="tpu")):
+        assert torch.tpu.current_device() == 0
+    with torch.tpu.device_of(torch.ones(2)):  # a CPU tensor selects nothing, as with CUDA's
+        assert torch.tpu.current_device() == 0
+
+
 def test_seeding_is_reproducible():
     torch.tpu.manual_seed(123)
     state = torch.tpu.get_rng_state()

@@ -91,6 +91,14 @@ def device(device: int | str | torch.device | None) -> Iterator[None]:
     yield
 
 
+def device_of(obj: Any) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device_of``: the device of ``obj`` (a tpu tensor) selected for the block; a
+    no-op for anything else, as CUDA's is for a CPU tensor."""
+    if isinstance(obj, torch.Tensor) and obj.device.type == "tpu":
+        return device(obj.device)
+    return contextlib.nullcontext()
+
+
 def synchronize(device: int | str | torch.device | None = None) -> None:
     """Waits for every queued computation on the device."""
     _synchronize()
@@ -243,6 +251,31 @@ def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> N
 
 
 reset_accumulated_memory_stats = reset_peak_memory_stats
+reset_max_memory_allocated = reset_peak_memory_stats  # CUDA's older names for the same reset
+reset_max_memory_cached = reset_peak_memory_stats
+memory_cached = memory_reserved  # CUDA's older names: the cache is what the allocator reserved
+max_memory_cached = max_memory_reserved
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def memory_summary(device: int | str | torch.device | None = None, abbreviated: bool = False) -> str:
+    """A printable table of XLA's memory statistics for the device, as ``torch.cuda.memory_summary``
+    prints CUDA's allocator's. Raises where the platform keeps none (XLA:CPU), as
+    :func:`memory_stats` does. ``abbreviated`` is accepted for CUDA's signature (the table is short)."""
+    stats = memory_stats(device)
+    d = jax_device(_index_of(device))
+    rows = [(k, _bytes(int(v)) if "bytes" in k or "size" in k else str(v)) for k, v in sorted(stats.items())]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"XLA memory summary, device {d} ({d.platform})", "-" * (width + 20)]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
 
 # PyTorch's names (torch.accelerator.memory_stats) for XLA's statistics
 _TORCH_STAT_NAMES = {"bytes_in_use": "allocated_bytes.all.current", "peak_bytes_in_use": "allocated_bytes.all.peak",
