@@ -20,6 +20,9 @@ def test_device_mismatch_like_cuda():
         t + torch.ones(3)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.mm(torch.ones(2, 2, device="tpu"), torch.ones(2, 2))
+    for a, b in ((t, torch.ones(3)), (torch.ones(3), t)):  # the CPU tensor first too (it was an AttributeError)
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

@@ -37,10 +37,11 @@ from torch_tpu import _module_move  # noqa: E402
 
 _module_move.install()
 
-from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _sparse, _storage_api, ops  # noqa: E402,F401
+from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _nested, _sparse, _storage_api, ops  # noqa: E402,F401
 
 _dispatch.register_table()
 _sparse.register()
+_nested.register()
 _torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
 _fallback.register()
 _host.install()

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 _NAME = "torch_tpu_C"
-_SOURCES = [Path(__file__).parent / "csrc" / "generator.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("generator.cpp", "nested.cpp")]
 _loaded: list[ModuleType | None] = []
 _why: list[str] = []
 

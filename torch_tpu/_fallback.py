@@ -40,6 +40,8 @@ def _decompositions() -> dict:
 
 
 def _to_cpu_arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.is_nested:  # torch's own copy of the buffer (csrc/nested.cpp)
+        return a.to("cpu") if a.device.type == "tpu" else a
     if is_tpu(a):
         return to_cpu(a).clone()
     if isinstance(a, torch.device) and a.type == "tpu":
@@ -55,6 +57,10 @@ def _from_cpu(x: Any) -> Any:
     from torch_tpu._kernels import host_to_device
 
     if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        if x.is_nested:  # its buffer moves; the metadata stays on CPU, as torch keeps it (csrc/nested.cpp)
+            x = x.contiguous()
+            return torch._nested_view_from_buffer(_from_cpu(x.values()), x._nested_tensor_size(),
+                                                  x._nested_tensor_strides(), x._nested_tensor_storage_offsets())
         if x._is_zerotensor():  # autograd's efficient zeros have no data to copy
             x = torch.zeros(x.shape, dtype=x.dtype)
         return new_tensor(tuple(x.shape), x.dtype, host_to_device(x))
@@ -102,6 +108,9 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 def _write_back(src: Any, res: Any) -> bool:
     """Writes the CPU result ``res`` of an in-place argument into its tpu tensor ``src``."""
+    if isinstance(src, torch.Tensor) and src.is_nested and src.device.type == "tpu":
+        src.copy_(res)  # the same components (an in-place op keeps them); torch's nested copy_
+        return True
     if not is_tpu(src):
         return False
     from torch_tpu._kernels import host_to_device
@@ -116,6 +125,8 @@ def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None
     """CPU tensors other than 0-dim scalars cannot mix with tpu tensors, as on CUDA."""
     from torch_tpu._meta import device_mismatch
 
+    if op.__name__.startswith("_nested_"):  # their CPU tensors are a nested tensor's sizes, kept on CPU by torch
+        return
     for a in tree_flatten((args, kwargs))[0]:
         if isinstance(a, torch.Tensor) and a.device.type != "tpu" and a.dim() > 0:
             raise device_mismatch(str(op), a.device)

@@ -237,8 +237,9 @@ def _local_scalar_dense(t: torch.Tensor) -> Any:
 
 @kernel(aten.equal.default)
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not is_tpu(b):
-        raise device_mismatch("aten.equal", b.device)
+    for t in (a, b):  # either may be the CPU one: the dispatcher picks tpu's kernel for the pair
+        if not is_tpu(t):
+            raise device_mismatch("aten.equal", t.device)
     if a.shape != b.shape:
         return False
     return bool(np.asarray(jnp.array_equal(read_array(a), read_array(b))))

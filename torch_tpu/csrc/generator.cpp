@@ -110,6 +110,6 @@ bool register_generator() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu')";
+  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels";
   m.def("register_generator", &register_generator, "Lets torch.Generator(device='tpu') be made (once).");
 }
