@@ -1,12 +1,15 @@
 """torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
 
-Today that is one thing, ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
-only through a factory registered from C++ (``csrc/generator.cpp``). The set-up command builds the
-extension against the installed torch (:func:`main`, which ``make`` runs), into a
-folder per torch and Python version, since one source tree may serve several virtual environments.
+Today that is two things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+only through a factory registered from C++ (``csrc/generator.cpp``). And nested tensors: torch's
+device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
+write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``_nested``).
+The set-up command builds the extension against the installed torch (:func:`main`, which ``make``
+runs), into a folder per torch and Python version, since one source tree may serve several virtual environments.
 
 Without it everything else works: a tpu generator then cannot be made (torch raises its own
-NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``).
+NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``); an op on
+a nested tpu tensor raises NotImplementedError saying the extension is missing.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ def main() -> int:
         where = build()
     except Exception as e:  # noqa: BLE001 - no compiler, or a torch whose headers lack the registration
         print(f"torch_tpu: the C++ extension was not built ({type(e).__name__}: {str(e)[:300]}); "
-              "torch.Generator(device='tpu') will be unavailable, everything else works", file=sys.stderr)
+              "torch.Generator(device='tpu') and nested tpu tensors will be unavailable, everything else works",
+              file=sys.stderr)
         return 0
     print(f"torch_tpu: C++ extension built in {where}")
     return 0
