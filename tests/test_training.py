@@ -329,3 +329,30 @@ def test_foreach_ops_are_one_program_per_list():
     for c, t in zip(torch._foreach_exp(cpu), outs):
         torch.testing.assert_close(t.cpu(), c, rtol=1e-5, atol=1e-6)
     assert torch._foreach_norm(dev)[1].item() == pytest.approx(torch._foreach_norm(cpu)[1].item(), rel=1e-5)
+
+
+def test_module_to_while_a_cpu_graph_holds_the_weights():
+    """A CPU forward whose backward has not run saves the weights in its graph; moving the module
+    to tpu then raised "Couldn't swap Conv2d.weight" (a move to CUDA works). The same Parameters
+    move, the new forward and backward give CPU's gradients, and a backward through the old graph
+    raises instead of accumulating into a tensor the module no longer holds."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 3, 6, 6)
+    stale = m(x)  # kept alive: its graph holds the conv and norm weights
+    params = list(m.parameters())
+    m.to("tpu")
+    assert all(p is q and p.device.type == "tpu" for p, q in zip(m.parameters(), params))
+    m(x.to("tpu")).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    # torch's own words for a weight only its gradient node held (the Linear), ours for the rest
+    with pytest.raises(RuntimeError, match="poisoned by swap_tensors|while an autograd graph built before the move"):
+        stale.sum().backward()
+    stale = nn.Conv2d(3, 4, 3)
+    out = stale(x)
+    stale.to("tpu")
+    with pytest.raises(RuntimeError, match="while an autograd graph built before the move still held it"):
+        out.sum().backward()
