@@ -113,6 +113,54 @@ def test_attention():
                  call=lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device)))
 
 
+def _eval_parity(module: nn.Module, *inputs, **kwargs):
+    """An eval-mode forward without autograd (torch's transformer fast path) on CPU and tpu: the
+    same outputs (NaN where CPU's are), on the device, with no op sent through the CPU fallback."""
+    import torch_tpu
+
+    module = module.eval()
+    with torch.no_grad():
+        ref = module(*inputs, **kwargs)
+        dev = copy.deepcopy(module).to("tpu")
+        before = dict(torch_tpu.metrics()["fallback_counts"])
+        got = dev(*[x.to("tpu") if isinstance(x, torch.Tensor) else x for x in inputs],
+                  **{k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    assert torch_tpu.metrics()["fallback_counts"] == before
+    refs, gots = (ref, got) if isinstance(ref, tuple) else ((ref,), (got,))
+    for r, g in zip(refs, gots, strict=True):
+        if r is None:
+            assert g is None  # CPU's kernel returns no weights without need_weights
+            continue
+        assert g.device.type == "tpu" and g.shape == r.shape
+        torch.testing.assert_close(g.cpu(), r, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_transformer_fast_path_runs_on_the_device_as_cpu():
+    """Eval-mode nn.MultiheadAttention / TransformerEncoderLayer call torch's fused fast-path ops
+    (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``), which tpu served
+    through the CPU fallback; they are device programs now, with CPU's results."""
+    torch.manual_seed(0)
+    E = 16
+    x, mem = torch.randn(3, 5, E), torch.randn(3, 4, E)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [True] * 5])  # the last row fully masked
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    mha = nn.MultiheadAttention(E, 4, batch_first=True)
+    _eval_parity(mha, x, x, x)  # weights averaged over heads
+    _eval_parity(mha, x, x, x, need_weights=False)
+    _eval_parity(mha, x, x, x, need_weights=True, average_attn_weights=False)
+    _eval_parity(mha, x, mem, mem)  # cross attention: another key length
+    _eval_parity(mha, x, x, x, key_padding_mask=padding)  # NaN for the fully masked row, as on CPU
+    _eval_parity(mha, x, x, x, attn_mask=causal.bool())
+    _eval_parity(mha, x, x, x, attn_mask=causal.bool(), key_padding_mask=padding[:2].repeat(2, 1)[:3])
+    for norm_first, activation in ((False, "relu"), (True, "gelu")):
+        layer = nn.TransformerEncoderLayer(E, 4, 32, batch_first=True, norm_first=norm_first, activation=activation)
+        _eval_parity(layer, x)
+        _eval_parity(layer, x, src_mask=causal, is_causal=True)
+        _eval_parity(layer, x[:2], src_key_padding_mask=padding[:2])
+        _eval_parity(layer, torch.randn(0, 5, E))
+    _eval_parity(nn.Transformer(E, 4, 1, 1, 32, batch_first=True), x, mem)
+
+
 def test_pooling_layers():
     x = torch.randn(2, 3, 9, 8)
     check_module(nn.MaxPool2d(3, 2, 1), x)

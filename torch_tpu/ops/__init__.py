@@ -16,6 +16,7 @@ from torch_tpu.ops import (  # noqa: F401  (imported for their registrations)
     reduction,
     shape,
     special,
+    transformer,
 )
 from torch_tpu.ops._registry import LOWERINGS, Lowering, lower
 

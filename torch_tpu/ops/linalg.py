@@ -17,6 +17,8 @@ are hand-written kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -53,10 +55,11 @@ def _scaled_sum(self, prod, beta, alpha):
     return scaled + jnp.where(b == 0, jnp.zeros((), dt), self.astype(dt) * b.astype(dt))
 
 
-def matmul_lowering(*ops: torch._ops.OpOverload):
-    """A lowering taking ``precision``, chosen from ``torch.get_float32_matmul_precision()``."""
+def matmul_lowering(*ops: torch._ops.OpOverload, **options: Any):
+    """A lowering taking ``precision``, chosen from ``torch.get_float32_matmul_precision()``
+    (``options``: :func:`lower`'s others)."""
     variants = {name: {"precision": p} for name, p in _PRECISION.items()}
-    return lower(*ops, variants=variants, choose=lambda *a, **k: torch.get_float32_matmul_precision())
+    return lower(*ops, variants=variants, choose=lambda *a, **k: torch.get_float32_matmul_precision(), **options)
 
 
 def factor_transposed(*ops: torch._ops.OpOverload):
