@@ -84,6 +84,22 @@ def test_norm_layers():
     check_module(nn.InstanceNorm2d(3, affine=True), torch.randn(2, 3, 5, 5))
 
 
+def test_weight_norm_gradients_on_the_device():
+    """``weight_norm``'s backward (``_weight_norm_interface_backward``, which has no torch
+    decomposition) ran on CPU; it is a lowering now, with CPU's gradients for both parameters."""
+    import torch_tpu
+
+    torch.manual_seed(0)
+    before = dict(torch_tpu.metrics()["fallback_counts"])
+    for dim in (0, 1):
+        cases = ((lambda: nn.Linear(4, 3), torch.randn(2, 4)), (lambda: nn.Conv1d(3, 5, 3), torch.randn(2, 3, 7)))
+        for make, x in cases:
+            check_module(nn.utils.parametrizations.weight_norm(make(), dim=dim), x, tol=dict(rtol=1e-4, atol=2e-5))
+            check_module(nn.utils.parametrizations.weight_norm(make().double(), dim=dim), x.double(),
+                         tol=dict(rtol=1e-12, atol=1e-12))
+    assert torch_tpu.metrics()["fallback_counts"] == before
+
+
 def test_embeddings():
     idx = torch.tensor([[1, 2, 4], [4, 3, 9]])
     check_module(nn.Embedding(10, 4, padding_idx=3), idx)

@@ -298,6 +298,20 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, output_m
 lower(aten.native_layer_norm_backward.default, by_name=True)(_layer_norm_backward)
 
 
+# ================================================================================== weight norm
+@lower(aten._weight_norm_interface_backward.default)
+def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """The gradients of ``w = g * v / ||v||`` (the norm over every dim but ``dim``, as the forward
+    saved it): ``grad_g = sum(grad_w * v) / ||v||`` and ``grad_v = g / ||v|| * (grad_w - v * grad_g
+    / ||v||)``, in float32 for half inputs as CPU computes them. The forward decomposes through
+    torch's own rule; this backward has none, so it ran on CPU."""
+    gw, v, g, n = _acc(grad_w), _acc(saved_v), _acc(saved_g), _acc(saved_norms)
+    axes = tuple(i for i in range(v.ndim) if i != dim)
+    grad_g = jnp.sum(gw * v, axis=axes, keepdims=True).reshape(g.shape) / n
+    grad_v = (g / n) * (gw - v * (grad_g / n))
+    return grad_v.astype(saved_v.dtype), grad_g.astype(saved_g.dtype)
+
+
 # =================================================================================== group norm
 @lower(aten.native_group_norm.default)
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
