@@ -15,20 +15,20 @@
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/_to_copy_native.h>
 #include <ATen/ops/alias_native.h>
+#include <ATen/ops/chunk_native.h>
 #include <ATen/ops/clone_native.h>
 #include <ATen/ops/copy_native.h>
 #include <ATen/ops/detach_native.h>
 #include <ATen/ops/empty_like_native.h>
 #include <ATen/ops/is_same_size_native.h>
-#include <ATen/ops/unbind_native.h>
-#include <ATen/ops/values_native.h>
-#include <ATen/ops/chunk_native.h>
 #include <ATen/ops/narrow_native.h>
 #include <ATen/ops/select_native.h>
 #include <ATen/ops/split_with_sizes_native.h>
 #include <ATen/ops/squeeze_native.h>
 #include <ATen/ops/transpose_native.h>
+#include <ATen/ops/unbind_native.h>
 #include <ATen/ops/unsqueeze_native.h>
+#include <ATen/ops/values_native.h>
 #include <ATen/ops/view_native.h>
 #include <torch/library.h>
 
@@ -67,8 +67,6 @@ void fit_storage(const at::Tensor& t) {
   if (storage->nbytes() < bytes) storage->set_nbytes(bytes);
 }
 
-}  // namespace
-
 // A dense tpu tensor's storage told the bytes it spans (its offset, sizes and strides).
 void fit_dense(const at::Tensor& t) {
   if (t.device().type() != c10::DeviceType::PrivateUse1 || t.is_nested()) return;
@@ -82,8 +80,6 @@ void fit_dense(const at::Tensor& t) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   if (storage->nbytes() < bytes) storage->set_nbytes(bytes);
 }
-
-namespace {
 
 // A copy to another dtype or device: the buffer is copied by the dense ops (torch_tpu's kernels for
 // a tpu buffer, CPU's for a CPU one) and keeps the components' sizes, strides and offsets. torch's
