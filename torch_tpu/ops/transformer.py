@@ -22,6 +22,7 @@ from torch_tpu.ops._registry import aten
 from torch_tpu.ops.elementwise import gelu
 from torch_tpu.ops.linalg import _dot, matmul_lowering
 from torch_tpu.ops.nn import native_layer_norm
+from torch_tpu.ops.reduction import softmax
 
 
 def _linear(x, weight, bias, precision):
@@ -56,9 +57,7 @@ def _attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, pro
     scores = _dot(q, k.transpose(0, 1, 3, 2), precision).astype(query.dtype)
     if mask is not None:
         scores = jnp.where(_mask_for(mask, mask_type, scores), -jnp.inf, scores)
-    wide = scores.astype(jnp.float32) if scores.dtype in (jnp.bfloat16, jnp.float16) else scores
-    e = jnp.exp(wide - jnp.max(wide, axis=-1, keepdims=True))
-    attn = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(scores.dtype)  # as CPU: in float, rounded once
+    attn = softmax(scores, -1, False).astype(scores.dtype)  # the table's: in float for half inputs, as CPU
     ctx = _dot(attn, v, precision).astype(query.dtype).transpose(0, 2, 1, 3).reshape(B, L, D)
     out = _linear(ctx, proj_weight, proj_bias, precision)
     if not need_weights:
