@@ -304,6 +304,7 @@ from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: ca
     graph_pool_handle,
     is_current_stream_capturing,
 )
+from torch_tpu.runtime.host_reads import get_sync_debug_mode, set_sync_debug_mode  # noqa: E402,F401
 
 
 def take_lost_exception() -> BaseException | None:

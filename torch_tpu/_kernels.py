@@ -34,7 +34,7 @@ from torch_tpu._storage import (
 from torch_tpu.ops import amp as _amp
 from torch_tpu.ops import optim as _optim
 from torch_tpu.ops._registry import kernel
-from torch_tpu.runtime import metrics
+from torch_tpu.runtime import host_reads, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 aten = torch.ops.aten
@@ -242,6 +242,8 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
             raise device_mismatch("aten.equal", t.device)
     if a.shape != b.shape:
         return False
+    if host_reads.mode:
+        host_reads.synchronizing()
     return bool(np.asarray(jnp.array_equal(read_array(a), read_array(b))))
 
 

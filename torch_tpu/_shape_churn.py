@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _dtypes, _storage
-from torch_tpu.runtime import checks, fused, metrics
+from torch_tpu.runtime import checks, fused, host_reads, metrics
 
 CHURN_AFTER = int(os.environ.get("TORCH_TPU_HOST_CHURN", "3"))
 MAX_ELEMENTS = 4096
@@ -169,6 +169,9 @@ def _host_value(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         if t.dtype != st._dtype:  # another element type over the storage: an ordinary read
             return _storage.to_cpu(t)
+        if host_reads.mode:
+            host_reads.synchronizing(f"{host_reads.what_read()} run on the host, reading an input the device computed "
+                                     f"({t.dtype} {list(t.shape)})")
         base = np.asarray(fused.concrete(_storage.base_array(st)))
         metrics.transfer_bytes["device_to_host"] += base.nbytes
         checks.raise_pending()

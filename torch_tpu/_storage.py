@@ -24,7 +24,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _dtypes
-from torch_tpu.runtime import checks, executor, fused, metrics
+from torch_tpu.runtime import checks, executor, fused, host_reads, metrics
 from torch_tpu.runtime.executor import Program, execute
 
 DK = torch._C.DispatchKey
@@ -627,6 +627,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """Copies a tpu tensor to the host (a sync point)."""
     if _capture is not None:
         _capture.host_read()
+    if host_reads.mode:
+        host_reads.synchronizing()
     a = np.asarray(read_array(t))
     metrics.transfer_bytes["device_to_host"] += a.nbytes
     checks.raise_pending()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_tpu.runtime import fused
+from torch_tpu.runtime import fused, host_reads
 
 _pending: list[tuple[Any, Any, Callable[[Any], Exception], str]] = []
 _MAX_PENDING = 256  # past this many unread checks, resolve them (a sync) rather than grow
@@ -29,6 +29,8 @@ def defer(flag: Any, first: Any, error: Callable[[Any], Exception], site: str) -
     _pending.append((flag, first, error, site))
     _queued += 1
     if len(_pending) > _MAX_PENDING:
+        if host_reads.mode:
+            host_reads.synchronizing(f"{len(_pending)} deferred value checks (index bounds) read at once")
         raise_pending()
 
 

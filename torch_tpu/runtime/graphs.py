@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torch_tpu import _rng
-from torch_tpu.runtime import checks, executor, fused, metrics, residency, settle
+from torch_tpu.runtime import checks, executor, fused, host_reads, metrics, residency, settle
 
 _storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
@@ -51,30 +51,8 @@ _array_of = operator.attrgetter("_jx")  # a storage's array, read in C by map
 
 # Hand-written kernels whose output shape depends on the values they read.
 _DATA_DEPENDENT = ("nonzero", "masked_select", "unique", "bincount", "repeat_interleave", "histogram", "index")
-_HOST_READS = {  # kernel function -> what the user wrote
-    "_local_scalar_dense": "aten._local_scalar_dense (.item(), float(), int(), bool())",
-    "_to_copy": "aten._to_copy to the host (.cpu(), .to('cpu'), print, .tolist())",
-    "_copy_from": "aten._copy_from into a CPU tensor",
-    "_str": "print / repr",
-    "synchronize": "a synchronisation (torch.tpu.synchronize, torch_tpu.sync)",
-    "set_eager_mode": "torch_tpu.set_eager_mode",
-}
-
-
-def _site_text() -> str:
-    site = fused.user_site()
-    return f"{site[0]}:{site[1]}" if site else "<unknown>"
-
-
-def _host_op() -> str:
-    """What read the host, from the innermost known frame."""
-    f = sys._getframe(1)
-    while f is not None:
-        what = _HOST_READS.get(f.f_code.co_name)
-        if what is not None:
-            return what
-        f = f.f_back
-    return "a read of a value on the host"
+_host_op = host_reads.what_read
+_site_text = host_reads.site_text
 
 
 def _refused(what: str, why: str) -> RuntimeError:
