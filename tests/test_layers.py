@@ -276,3 +276,53 @@ class _TinyTransformer(nn.Module):
 def test_train_transformer():
     batches = [(torch.randint(0, 20, (3, 7)), torch.randint(0, 20, (21,))) for _ in range(4)]
     _training_parity(_TinyTransformer(), batches, F.cross_entropy)
+
+
+def test_rrelu_runs_on_the_device_as_cpu():
+    """RReLU: eval mode is CPU's leaky ReLU exactly; in training each element <= 0 is scaled by its
+    own draw from [lower, upper), which the noise keeps (1 elsewhere) and the gradient is; in
+    place, under torch.compile, and with CPU's errors; nothing runs on CPU."""
+    import torch_tpu
+    from tests.conftest import assert_same
+
+    before = dict(torch_tpu.metrics()["fallback_counts"])
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = torch.randn(200).to(dtype)
+        for lo, hi in ((0.125, 1 / 3), (0.1, 0.3)):
+            assert_same(F.rrelu(x.to("tpu"), lo, hi, training=False), F.rrelu(x, lo, hi, training=False))
+    x = torch.tensor([-1.0, 0.0, 1.0, 2.0, -3.0, -0.5] * 100)
+    noise = torch.full_like(x, 7.0).to("tpu")
+    out = torch.ops.aten.rrelu_with_noise(x.to("tpu"), noise, 0.1, 0.3, True).cpu()
+    noise, neg = noise.cpu(), x <= 0
+    assert ((noise[neg] >= 0.1) & (noise[neg] < 0.3)).all() and (noise[~neg] == 1).all()
+    assert abs(noise[neg].mean().item() - 0.2) < 0.01  # uniform: 400 draws
+    assert torch.equal(out, x * noise)
+    xt = torch.randn(64, device="tpu", requires_grad=True)
+    y = nn.RReLU(0.1, 0.3)(xt)
+    y.sum().backward()
+    slope = (y / xt).detach()
+    assert torch.allclose(xt.grad, slope)
+    assert ((slope >= 0.1) & (slope <= 1)).all()
+    xi = torch.randn(64, device="tpu")
+    kept = xi.clone()
+    assert F.rrelu(xi, 0.1, 0.3, training=True, inplace=True) is xi
+    assert torch.equal(xi[kept > 0], kept[kept > 0]) and not torch.equal(xi, kept)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        draws.append(F.rrelu(torch.full((8,), -1.0, device="tpu"), training=True).cpu())
+    assert torch.equal(*draws)
+    compiled = torch.compile(lambda t: F.rrelu(t, training=True) * 2, backend="tpu")
+    r = compiled(torch.full((16,), -1.0, device="tpu")).cpu()
+    assert ((r <= -0.25) & (r > -2 / 3)).all()
+    assert dict(torch_tpu.metrics()["fallback_counts"]) == before
+    for f in (lambda d: F.rrelu(torch.randn(5, device=d), 0.5, 0.2, training=True),
+              lambda d: torch.ops.aten.rrelu_with_noise(torch.randn(5, device=d), torch.empty(3, device=d), 0.1, 0.3,
+                                                        True),
+              lambda d: torch.ops.aten.rrelu_with_noise(torch.randn(5, device=d),
+                                                        torch.empty(5, dtype=torch.float64, device=d), 0.1, 0.3, True)):
+        with pytest.raises(RuntimeError) as cpu:
+            f("cpu")
+        with pytest.raises(RuntimeError) as tpu:
+            f("tpu")
+        assert str(cpu.value) in str(tpu.value)

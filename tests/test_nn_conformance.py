@@ -200,8 +200,8 @@ def test_interpolate_uint8_images_as_cpu(mode, antialias, align_corners):
     assert (got.int() - want.int()).abs().max().item() <= 1
 
 
-def test_cpu_fallback_returns_the_argument_of_each_aliased_result():
-    # rrelu_with_noise_ (no lowering: it runs on CPU) writes self and noise, and returns self alone
+def test_rrelu_with_noise_in_place_returns_its_argument():
+    # rrelu_with_noise_ writes self and noise, and returns self alone, as on CPU
     x = torch.tensor([float("nan"), -1.0, 2.0, -4.0], device="tpu")
     noise = torch.zeros(4, device="tpu")
     with warnings.catch_warnings():  # the fallback's one-time "runs on CPU" warning

@@ -14,7 +14,7 @@ import torch
 
 from torch_tpu import _dtypes
 from torch_tpu._storage import is_tpu, read
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
 
 
@@ -331,3 +331,54 @@ def sample_dirichlet(key, self, generator=None):
     """Gamma draws normalised over the last dimension, as CPU samples a Dirichlet."""
     g = _gamma_draws(key, self)
     return (g / g.sum(-1, keepdims=True)).astype(self.dtype)
+
+
+# ---------------------------------------------------------------------------------- RReLU
+def _rrelu_check(self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None, **_):
+    """CPU's argument checks of ``rrelu_with_noise``, raised before anything runs."""
+    if float(lower) > float(upper):
+        raise RuntimeError("Lower bound should be less than or equal to the upper bound")
+    if tuple(noise.shape) != tuple(self.shape):
+        raise RuntimeError(f"noise tensor shape must match self tensor shape. Got self.shape = {list(self.shape)} "
+                           f"noise.shape = {list(noise.shape)}")
+    names = _dtypes.SCALAR_NAMES
+    if not self.dtype.is_floating_point:
+        raise NotImplementedError(f'"rrelu_with_noise" not implemented for \'{names.get(self.dtype, self.dtype)}\'')
+    if noise.dtype != self.dtype:
+        raise RuntimeError(f"expected scalar type {names[self.dtype]} but found {names.get(noise.dtype, noise.dtype)}")
+
+
+@lower(aten.rrelu_with_noise_functional.default, random=True, check=_rrelu_check)
+def rrelu_with_noise_functional(key, self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None):
+    """RReLU as CPU computes it: in training each element <= 0 is scaled by its own uniform draw
+    from [lower, upper), which ``noise`` keeps (1 where the element is positive) for the backward;
+    otherwise leaky ReLU with slope (lower + upper) / 2 and ``noise`` unchanged. In float32 at
+    least, rounded once, as CPU's opmath."""
+    dt = _float(self.dtype)
+    x = self.astype(dt)
+    if not training:
+        slope = ((jnp.asarray(lower) + jnp.asarray(upper)) / 2).astype(dt)  # in double, as CPU's negval
+        return jnp.where(x > 0, x, x * slope).astype(self.dtype), noise
+    lo, hi = jnp.asarray(lower).astype(dt), jnp.asarray(upper).astype(dt)
+    r = jax.random.uniform(key, self.shape, dt) * (hi - lo) + lo
+    neg = x <= 0
+    return jnp.where(neg, x * r, x).astype(self.dtype), jnp.where(neg, r, 1).astype(noise.dtype)
+
+
+@kernel(aten.rrelu_with_noise.default, aten.rrelu_with_noise.out, fusable=True,
+        how="kernel (rrelu_with_noise_functional, then the writes)")
+def _rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None, *, out=None):
+    """The eager forms write ``noise`` (and ``self`` or ``out``): the functional lowering computes,
+    then the results are copied in, so eager code and compiled graphs share one entry."""
+    result, noise_out = aten.rrelu_with_noise_functional.default(self, noise, lower, upper, training, generator)
+    if training:
+        noise.copy_(noise_out)
+    return result if out is None else out.copy_(result)
+
+
+@kernel(aten.rrelu_with_noise_.default, fusable=True, how="kernel (rrelu_with_noise_functional, then the writes)")
+def _rrelu_with_noise_(self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None):
+    result, noise_out = aten.rrelu_with_noise_functional.default(self, noise, lower, upper, training, generator)
+    if training:
+        noise.copy_(noise_out)
+    return self.copy_(result)
