@@ -425,3 +425,62 @@ def test_a_capture_that_repeats_an_earlier_one_takes_its_executable():
     assert torch_tpu.metrics()["compile_count"] == count + 2
     g.replay()
     torch.testing.assert_close(loss.item(), make_step(mc, oc, *data[3])().item(), rtol=RTOL, atol=ATOL)
+
+
+_ACCELERATOR_GRAPH = pytest.mark.skipif(
+    not hasattr(torch.accelerator, "Graph") or not torch_tpu._extension.available(),
+    reason="torch.accelerator.Graph (torch >= 2.13) and torch_tpu's C++ extension, which registers it for tpu")
+
+
+@_ACCELERATOR_GRAPH
+def test_accelerator_graph_is_the_tpu_graph():
+    """Device-generic code: ``with torch.accelerator.Graph():`` captures a training step on tpu,
+    and each ``replay()`` after fresh inputs are copied in gives CPU eager's losses and weights;
+    keep_graph with an explicit instantiate, a shared pool token, and CUDA's host-read refusal."""
+    data = batches(12, seed=4)
+    mc = model()
+    mt = copy.deepcopy(mc).to("tpu")
+    oc, ot = OPTIMIZERS["AdamW"](mc.parameters(), "cpu"), OPTIMIZERS["AdamW"](mt.parameters(), "tpu")
+    xc, yc = data[0][0].clone(), data[0][1].clone()
+    xt, yt = xc.to("tpu"), yc.to("tpu")
+    step_c, step_t = make_step(mc, oc, xc, yc), make_step(mt, ot, xt, yt)
+    for x, y in data[:2]:
+        for xs, ys, s in ((xc, yc, step_c), (xt, yt, step_t)):
+            xs.copy_(x)
+            ys.copy_(y)
+            s()
+    g = torch.accelerator.Graph()
+    with g:
+        loss_t = step_t()
+    for x, y in data[2:]:
+        xc.copy_(x)
+        yc.copy_(y)
+        xt.copy_(x)
+        yt.copy_(y)
+        g.replay()
+        assert_same(loss_t, step_c().detach(), rtol=RTOL, atol=ATOL)
+    for pc, pt in zip(mc.parameters(), mt.parameters()):
+        assert_same(pt.detach(), pc.detach(), rtol=RTOL, atol=ATOL)
+
+    kept = torch.accelerator.Graph(keep_graph=True, pool=g.pool())
+    kept.capture_begin()
+    tripled = xt * 3
+    kept.capture_end()
+    kept.instantiate()
+    xt.fill_(2.0)
+    kept.replay()
+    assert_same(tripled, torch.full((8, 6), 6.0))
+    kept.reset()
+    with pytest.raises(RuntimeError, match=r"_local_scalar_dense.*cannot be captured"):
+        with torch.accelerator.Graph():
+            (xt * 2).sum().item()
+
+
+@pytest.mark.skipif(not hasattr(torch.accelerator, "empty_host_cache") or not torch_tpu._extension.available(),
+                    reason="torch.accelerator.empty_host_cache (torch >= 2.13) and torch_tpu's C++ extension")
+def test_empty_host_cache_once_the_device_is_used():
+    # torch asks the accelerator's host allocator, which the extension registers: without one,
+    # torch 2.13 dereferenced a null pointer here
+    x = torch.ones(3, device="tpu") * 2
+    torch.accelerator.empty_host_cache()
+    assert_same(x, torch.full((3,), 2.0))

@@ -1,15 +1,20 @@
 """torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
 
-Today that is two things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
-only through a factory registered from C++ (``csrc/generator.cpp``). And nested tensors: torch's
+Today that is four things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+only through a factory registered from C++ (``csrc/generator.cpp``). Nested tensors: torch's
 device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
 write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``_nested``).
+``torch.accelerator.Graph`` (torch >= 2.13): the graph implementation torch asks a registry for,
+forwarding to ``torch.tpu``'s graphs (``csrc/graph.cpp``). And the device's host allocator, which
+``torch.accelerator.empty_host_cache`` asks for (``csrc/host_allocator.cpp``).
 The set-up command builds the extension against the installed torch (:func:`main`, which ``make``
 runs), into a folder per torch and Python version, since one source tree may serve several virtual environments.
 
 Without it everything else works: a tpu generator then cannot be made (torch raises its own
 NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``); an op on
-a nested tpu tensor raises NotImplementedError saying the extension is missing.
+a nested tpu tensor raises NotImplementedError saying the extension is missing; ``torch.accelerator.Graph``
+raises torch's "not supported on device type: tpu" (``torch.tpu.graph`` works), and on torch 2.13
+``torch.accelerator.empty_host_cache()`` crashes once a tpu tensor exists (torch's null pointer).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from types import ModuleType
 import torch
 
 _NAME = "torch_tpu_C"
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("generator.cpp", "nested.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp")]
 _loaded: list[ModuleType | None] = []
 _why: list[str] = []
 
