@@ -380,6 +380,32 @@ def test_fractional_max_pool3d_matches_cpu():
     assert torch.equal(got_idx.cpu(), want_idx)
 
 
+def test_binomial_on_device_as_cpu_draws():
+    """Successes out of ``count`` trials (torch.distributions.Binomial), in count's dtype: CPU's edges
+    (a count <= 0 gives 0, a probability >= 1 gives the count) exactly, the mean within noise, CPU's
+    dtype errors, and nothing on CPU."""
+    torch.manual_seed(0)
+    before = torch_tpu.metrics()["fallback_counts"].get("aten.binomial.default")
+    count = torch.tensor([10.0, 5.0, 0.0, -1.0, 20.0] * 800)
+    prob = torch.tensor([0.5, 1.0, 0.3, 0.5, 1.5] * 800)
+    draws = torch.binomial(count.to("tpu"), prob.to("tpu")).cpu()
+    cpu = torch.binomial(count, prob)
+    assert draws.dtype == cpu.dtype == torch.float32
+    edges = torch.tensor([False, True, True, True, True] * 800)
+    assert torch.equal(draws[edges], cpu[edges])
+    assert torch.equal(draws, draws.round()) and ((draws >= 0) & (draws <= count.clamp(min=0))).all()
+    assert abs(draws[0::5].mean().item() - 5.0) < 0.15  # 800 draws of B(10, 0.5): sd of the mean 0.056
+    sample = torch.distributions.Binomial(10, torch.full((3, 4), 0.25, device="tpu")).sample()
+    assert sample.shape == (3, 4) and sample.device.type == "tpu"
+    assert torch_tpu.metrics()["fallback_counts"].get("aten.binomial.default") == before
+    for args in ((torch.tensor([10, 5]), torch.tensor([0.5, 0.5])),
+                 (torch.tensor([1.0, 5.0]).double(), torch.tensor([0.5, 0.5]))):
+        with pytest.raises((ValueError, RuntimeError)) as on_cpu:
+            torch.binomial(*args)
+        with pytest.raises(type(on_cpu.value), match=re.escape(str(on_cpu.value))):
+            torch.binomial(*[a.to("tpu") for a in args])
+
+
 def test_poisson_on_device():
     torch.manual_seed(0)
     rate = torch.rand(4000) * 4

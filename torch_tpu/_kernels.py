@@ -235,6 +235,12 @@ def _local_scalar_dense(t: torch.Tensor) -> Any:
     return int(value)
 
 
+@kernel(aten.record_stream.default)
+def _record_stream(self: torch.Tensor, s: Any) -> None:
+    """Nothing to record: XLA keeps a buffer until every queued program that reads it has run, on
+    the device's one queue (``torch.tpu.Stream``)."""
+
+
 @kernel(aten.equal.default)
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     for t in (a, b):  # either may be the CPU one: the dispatcher picks tpu's kernel for the pair

@@ -308,6 +308,30 @@ def poisson(key, self, generator=None):
     return jax.random.poisson(key, rate, rate.shape).astype(self.dtype)
 
 
+def _binomial_check(count, prob, generator=None):
+    names = _dtypes.SCALAR_NAMES
+    if not count.dtype.is_floating_point:
+        raise ValueError(f"binomial only supports floating-point dtypes for count, got: {names[count.dtype]}")
+    if prob.dtype != count.dtype:
+        raise RuntimeError(f"Found dtype {names.get(prob.dtype, prob.dtype)} but expected {names[count.dtype]}")
+
+
+def _binomial_meta(count, prob, generator=None):
+    # torch has no meta kernel for binomial: the result has the broadcast shape, in count's dtype
+    return torch.empty(torch.broadcast_shapes(count.shape, prob.shape), dtype=count.dtype, device="meta")
+
+
+@lower(aten.binomial.default, random=True, check=_binomial_check, meta=_binomial_meta)
+def binomial(key, count, prob, generator=None):
+    """Successes in ``count`` trials of probability ``prob``, in count's dtype, as CPU draws them:
+    a count at or below 0 gives 0, a probability at or above 1 gives the count."""
+    dt = _float(count.dtype)
+    n, p = jnp.broadcast_arrays(count.astype(dt), prob.astype(dt))
+    n = jnp.maximum(n, 0)
+    draws = jax.random.binomial(key, n, jnp.clip(p, 0, 1), n.shape, dt)
+    return jnp.where(p >= 1, n, jnp.where(p <= 0, 0, draws)).astype(count.dtype)
+
+
 def _gamma_draws(key, alpha):
     """Gamma(alpha, 1) draws in alpha's dtype (float32 arithmetic for bf16/f16), kept at or above the
     smallest normal number as CPU keeps them, so a later log or division stays finite."""
