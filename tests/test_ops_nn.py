@@ -417,3 +417,63 @@ def test_poisson_on_device():
     assert torch_tpu.metrics()["fallback_counts"].get("aten.poisson.default") is None
     with pytest.raises(RuntimeError, match="invalid Poisson rate"):
         torch.poisson(torch.tensor([1.0, -1.0]).to("tpu")).cpu()
+
+
+def test_int_mm_is_exact_with_cpu_errors():
+    """``torch._int_mm`` (int8 or uint8 by int8, int32 results: torchao's quantised linears) equals
+    CPU bit for bit, with CPU's refusals, and nothing on CPU."""
+    g = torch.Generator().manual_seed(0)
+    b = torch.randint(-128, 128, (70, 17), dtype=torch.int8, generator=g)
+    for a in (torch.randint(-128, 128, (33, 70), dtype=torch.int8, generator=g),
+              torch.randint(0, 256, (33, 70), dtype=torch.uint8, generator=g)):
+        try:
+            torch._int_mm(a, b)
+        except RuntimeError:  # uint8 is refused before torch 2.13
+            with pytest.raises(RuntimeError):
+                torch._int_mm(a.to("tpu"), b.to("tpu"))
+            continue
+        got = torch._int_mm(a.to("tpu"), b.to("tpu"))
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), torch._int_mm(a, b))
+    assert torch_tpu.metrics()["fallback_counts"].get("aten._int_mm.default") is None
+    a = torch.randint(-128, 128, (3, 70), dtype=torch.int8, generator=g)
+    for args in ((a.int(), b), (a, b[:3]), (a[0], b), (a, b.int()), (a, b[0]), (a, b[None]), (a, b[0, 0])):
+        with pytest.raises((RuntimeError, IndexError)) as on_cpu:
+            torch._int_mm(*args)
+        with pytest.raises(type(on_cpu.value), match=re.escape(str(on_cpu.value))):
+            torch._int_mm(*[t.to("tpu") for t in args])
+
+
+def test_gamma_rsample_gradient_on_device():
+    """``Gamma.rsample`` backward (``_standard_gamma_grad``): the reparameterised derivative, within
+    CPU's approximation of it, computed on the device."""
+    torch.manual_seed(0)
+    alpha = torch.rand(2000) * 3 + 0.1
+    draws = torch._standard_gamma(alpha)
+    want = torch._standard_gamma_grad(alpha, draws)
+    got = torch._standard_gamma_grad(alpha.to("tpu"), draws.to("tpu")).cpu()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5)
+    a = torch.ones(3, device="tpu", requires_grad=True)
+    torch.distributions.Gamma(a, 1.0).rsample().sum().backward()
+    assert a.grad.shape == (3,) and torch.isfinite(a.grad).all()
+    assert torch_tpu.metrics()["fallback_counts"].get("aten._standard_gamma_grad.default") is None
+
+
+def test_assert_async_checks_without_waiting():
+    """``torch._assert_async``: CPU's errors for a zero value, a message, and element counts; a value
+    the device computes is checked with the step and raises at the next host read, naming the line."""
+    torch._assert_async(torch.tensor(True, device="tpu"))
+    torch._assert_async(torch.tensor(3, device="tpu") > 1, "fine")
+    for fn in (lambda d: torch._assert_async(torch.tensor(0, device=d)),
+               lambda d: torch._assert_async(torch.tensor([1, 1], device=d)),
+               lambda d: torch._assert_async(torch.tensor([], device=d)),
+               lambda d: torch._assert_async(torch.tensor(0.0, device=d), "my message")):
+        with pytest.raises(RuntimeError) as on_cpu:
+            fn("cpu")
+        with pytest.raises(RuntimeError, match=re.escape(str(on_cpu.value))):
+            fn("tpu")
+            torch.tpu.synchronize()
+    x = torch.zeros(3, device="tpu")
+    torch._assert_async(x.sum() > 1, "the sum is too small")  # computed on the device: nothing waits here
+    with pytest.raises(RuntimeError, match=r"the sum is too small \(found on the device after the op, called at "):
+        x.cpu()
+    assert torch_tpu.metrics()["fallback_counts"].get("aten._assert_async.msg") is None

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _device, _dtypes, _shape_churn
+from torch_tpu import _checks, _device, _dtypes, _shape_churn
 from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
     contiguous_strides,
@@ -233,6 +233,22 @@ def _local_scalar_dense(t: torch.Tensor) -> Any:
     if t.dtype == torch.bool:
         return bool(value)
     return int(value)
+
+
+def _zero(xp: Any, values: Any) -> Any:
+    return values == 0
+
+
+@kernel(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async(self: torch.Tensor, assert_msg: str | None = None) -> None:
+    """``torch._assert_async``: a check that does not wait for the device, as on CUDA. A tensor whose
+    value the host holds is checked at once; one the device computes is checked with the step and
+    raises CPU's RuntimeError at the next host read. The element count is checked now (CPU's words)."""
+    if self.numel() != 1:
+        raise RuntimeError(f"Boolean value of Tensor with {'no values' if not self.numel() else 'more than one value'} "
+                           "is ambiguous")
+    message = assert_msg or "Expected Tensor with single nonzero value, but got zero"
+    _checks.check_values(self, _zero, (), lambda _value: RuntimeError(message))
 
 
 @kernel(aten.record_stream.default)

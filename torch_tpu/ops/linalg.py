@@ -77,6 +77,26 @@ def mm(self, mat2, precision):
     return _dot(self, mat2, precision)
 
 
+def _int_mm_check(self, mat2):
+    """CPU's refusals in CPU's words: torch's meta kernel words some differently from CPU's kernel
+    (and torch versions differ in both), so where the meta refuses, CPU's kernel is asked, on
+    uninitialised tensors of the same shapes and dtypes (it refuses before it computes)."""
+    try:
+        aten._int_mm.default(*[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (self, mat2)])
+        return
+    except (RuntimeError, IndexError) as e:
+        refused = e
+    aten._int_mm.default(*[torch.empty(t.shape, dtype=t.dtype) for t in (self, mat2)])
+    raise refused
+
+
+@lower(aten._int_mm.default, check=_int_mm_check)
+def int_mm(self, mat2):
+    """int8 (or uint8) times int8 with int32 accumulation and result, as quantised linears use it
+    (torchao): exact, so CPU's values bit for bit."""
+    return lax.dot(self.astype(jnp.int32), mat2.astype(jnp.int32), preferred_element_type=jnp.int32)
+
+
 @matmul_lowering(aten.mv.default)
 def mv(self, vec, precision):
     return _dot(self, vec, precision)
