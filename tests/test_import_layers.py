@@ -17,8 +17,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torch_tpu"
 # bottom to top
-RUNTIME_ORDER = ["errors", "settle", "residency", "metrics", "cache", "fused", "checks", "executor", "profiler",
-                 "report", "graphs", "graphed_callables"]
+RUNTIME_ORDER = ["errors", "settle", "residency", "metrics", "cache", "fused", "host_reads", "checks", "executor",
+                 "profiler", "report", "graphs", "graphed_callables"]
 TOP = {"graphs", "graphed_callables"}  # the capture reads and writes storages: it sits above them
 
 
