@@ -116,6 +116,10 @@ GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
                             "breaks the graph there",
     aten._new_zeros_with_same_feature_meta.default: "forward-mode AD calls it on concrete tensors to make a "
                                                     "view's tangent; AOTAutograd's graphs do not name it",
+    aten._assert_async.default: "an eager value check (a deferred check, _kernels._assert_async); functionalized "
+                                "graphs hold _functional_assert_async, not lowered yet",
+    aten._assert_async.msg: "an eager value check (a deferred check, _kernels._assert_async); functionalized "
+                            "graphs hold _functional_assert_async, not lowered yet",
 }
 
 
