@@ -120,3 +120,34 @@ def test_ops_on_host_results_stay_on_the_host_and_match_cpu():
         before = sum(torch_tpu.metrics()["host_op_counts"].values())
         assert torch.equal((x + 7).cpu(), x.cpu() + 7)
         assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
+
+
+def _extend(ids, col):
+    return torch.cat([ids, col], dim=-1)  # the one line every call below goes through
+
+
+def test_a_churning_line_stays_on_the_host_and_its_results_stay_private():
+    """Once ``cat`` churns at a line, later calls there run on the host at once, also with another
+    element type, with CPU's values and nothing compiled. A host op's result is the CPU tensor that
+    the next host ops read as it is: reading it back and changing that copy leaves it unchanged."""
+
+    def grow(device, dtype, steps):
+        ids = torch.zeros(2, 1, dtype=dtype, device=device)
+        for i in range(steps):
+            ids = _extend(ids, (ids[:, -1:] + i) % 5)
+        return ids
+
+    got, want = grow("tpu", torch.int64, 8), grow("cpu", torch.int64, 8)
+    assert torch.equal(got.cpu(), want)
+    copy = got.cpu()
+    copy += 100
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(_extend(got, got[:, :1]).cpu(), _extend(want, want[:, :1]))
+
+    compiles = torch_tpu.metrics()["compile_count"]
+    hosted = torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0)
+    small = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device="tpu")
+    col = torch.tensor([[5], [6]], dtype=torch.int32, device="tpu")
+    assert torch.equal(_extend(small, col).cpu(), _extend(small.cpu(), col.cpu()))
+    assert torch_tpu.metrics()["compile_count"] == compiles
+    assert torch_tpu.metrics()["host_op_counts"]["aten.cat.default"] == hosted + 1

@@ -460,8 +460,9 @@ class _OpKernel:
             key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
             entry = self.cache.get(key)
             if (entry is None and kind == "functional" and not lowering.random
-                    and _shape_churn.inputs_on_host(args, kwargs)):
-                return _shape_churn.run(self.op, args, kwargs)  # host results in: nothing to compile or wait for
+                    and (_shape_churn.inputs_on_host(args, kwargs) or _shape_churn.churned_here(name, args, kwargs))):
+                # host results in (nothing to compile or wait for), or a line whose shapes churn
+                return _shape_churn.run(self.op, args, kwargs, name)
             if entry is None and self.int_sites and fused.user_site() in self.int_sites:
                 dyn, key = self._runtime_int_key(args, kwargs)  # a line whose ints change every call
                 entry = self.cache.get(key)
@@ -474,7 +475,7 @@ class _OpKernel:
                     dyn, key, entry = self._ints_at_run_time(args, kwargs, dyn, key)
             if entry is None:
                 if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
-                    return _shape_churn.run(self.op, args, kwargs)
+                    return _shape_churn.run(self.op, args, kwargs, self.name)
                 if kind != "out" and not executor.recording() and _view_churn.churns(name, key):
                     if kind == "functional":
                         return _view_churn.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
@@ -483,7 +484,7 @@ class _OpKernel:
                 entry = self.cache[key] = self._build(key, args, kwargs)
             program, avals, exact = entry
             if program.host_follows and _shape_churn.inputs_on_host(args, kwargs):
-                return _shape_churn.run(self.op, args, kwargs)  # a host op's results in, nothing to wait for
+                return _shape_churn.run(self.op, args, kwargs, self.name)  # a host op's results in, nothing to wait for
             if lowering.random:
                 generator = kwargs.get("generator")
                 if generator is None and self.generator_at is not None and self.generator_at < len(args):

@@ -130,14 +130,15 @@ def host_to_device(t: torch.Tensor) -> Any:
     return numpy_to_device(np.array(_dtypes.cpu_to_numpy(t), copy=True))
 
 
-def numpy_to_device(data: np.ndarray) -> Any:
+def numpy_to_device(data: np.ndarray, whole: torch.Tensor | None = None, host_result: bool = False) -> Any:
     """:func:`host_to_device` of a numpy array the caller gives up (the array keeps it as its host
-    copy): a transfer, never a compile, whatever the shape."""
+    copy): a transfer, never a compile, whatever the shape. ``whole`` and ``host_result``: what
+    :func:`remember_host_copy` keeps with the copy (a host op's result, ``_shape_churn``)."""
     metrics.transfer_bytes["host_to_device"] += data.nbytes
     if not _put:
         _put.append(_make_put())
     array = _put[0](data)
-    remember_host_copy(array, data)
+    remember_host_copy(array, data, whole, host_result)
     return array
 
 

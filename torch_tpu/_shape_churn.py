@@ -50,6 +50,7 @@ MAX_ELEMENTS = 4096
 # pattern -> (the numbers of its last signature, the step from the one before, how many steps in a row)
 _progress: dict[tuple, tuple[tuple, tuple | None, int]] = {}
 _churning: set[tuple] = set()
+_churning_sites: set[tuple] = set()  # (op name, user line) of each pattern in _churning
 
 
 def _pattern(spec: Any) -> Any:
@@ -129,8 +130,19 @@ def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
         if run < CHURN_AFTER - 1:
             return False
         _churning.add(pattern)
+        _churning_sites.add(pattern[:2])
         del _progress[pattern]
     return True
+
+
+def churned_here(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a cache miss of op ``name`` runs on the host at once: at a line where the op has
+    churned before, with small integer inputs. A decoding loop's ``cat`` then skips working out its
+    new signature's pattern at every token; a call with other ranks or dtypes at that line counts as
+    the same churn (which decides only where the op runs: its results are CPU's either way)."""
+    if not _churning_sites or CHURN_AFTER <= 0 or _storage._capture is not None:
+        return False
+    return (name, fused.user_site()) in _churning_sites and _small_integers(args, kwargs)
 
 
 def may_follow(args: tuple, kwargs: dict, avals: list) -> bool:
@@ -182,6 +194,18 @@ def _host_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(a: Any) -> Any:
+    if type(a) is torch.Tensor and a.device == _storage.TPU_DEVICE:
+        # a host op's result (the common case of a chain of host ops): its CPU tensor, as it is
+        st = a.untyped_storage()
+        kept = _storage._HOST_COPIES.get(id(st._jx))
+        if kept is not None and kept[3] is not None and kept[0]() is st._jx and a.dtype is st._dtype:
+            whole = kept[3]
+            if not a.storage_offset() and a.is_contiguous():
+                if whole.shape == a.shape:
+                    return whole  # the host op's own result (read only, as every host op reads)
+                if a.numel() == whole.numel():
+                    return whole.view(a.shape)
+            return whole.as_strided(a.shape, a.stride(), a.storage_offset())
     if isinstance(a, torch.Tensor) and _storage.is_tpu(a):
         return _host_value(a)
     if isinstance(a, torch.device) and a.type == "tpu":
@@ -189,19 +213,25 @@ def _to_host(a: Any) -> Any:
     return a
 
 
+# The element types of a host op's results that upload as they are: no conjugate or negative bit,
+# no bfloat16 reinterpretation, and a host copy kept (``_storage.remember_host_copy``)
+_PLAIN = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
+
+
 def _upload(x: Any) -> Any:
     """A result of the host op as a tpu tensor. Its CPU tensor is fresh and dropped here, and every
     input it could alias is a private copy (``_host_value``), so its memory becomes the upload's
     host copy as it is: no second copy (``_fallback._from_cpu`` copies, for results it keeps)."""
-    if type(x) is torch.Tensor and x.device.type == "cpu" and not x._is_zerotensor():
-        from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
+    from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
 
-        data = _dtypes.cpu_to_numpy(x)
-        array = numpy_to_device(data)
-        # x over the same memory, flat (a contiguous result of the host op: the host copy is its memory)
-        whole = x.view(-1) if x.is_contiguous() and not x.is_conj() and not x.is_neg() else None
-        _storage.mark_host_result(array, whole)
-        return _storage.new_tensor(tuple(x.shape), x.dtype, array)
+    if type(x) is torch.Tensor and x.is_cpu:
+        if x.dtype in _PLAIN and x.is_contiguous() and not x.requires_grad:
+            # the host copy is x's memory, and x itself is what host_tensor hands out
+            array = numpy_to_device(x.numpy(), x, True)
+            return _storage.new_tensor(tuple(x.shape), x.dtype, array)
+        if not x._is_zerotensor():
+            array = numpy_to_device(_dtypes.cpu_to_numpy(x), None, True)
+            return _storage.new_tensor(tuple(x.shape), x.dtype, array)
     if type(x) is list or type(x) is tuple:
         return type(x)(_upload(y) for y in x)
     from torch_tpu._fallback import _from_cpu
@@ -209,11 +239,14 @@ def _upload(x: Any) -> Any:
     return _from_cpu(x)
 
 
-def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``op`` computed by torch on the CPU, its results uploaded as tpu tensors."""
-    metrics.host_op_counts[str(op)] += 1
+def run(op: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str | None = None) -> Any:
+    """``op`` computed by torch on the CPU, its results uploaded as tpu tensors. ``name``: the op's
+    name, where the caller has it (``str(op)`` formats it anew)."""
+    metrics.host_op_counts[name or str(op)] += 1
     cargs = [[_to_host(x) for x in a] if type(a) is list or type(a) is tuple else _to_host(a) for a in args]
-    ckwargs = {k: _to_host(v) for k, v in kwargs.items()}
-    if isinstance(ckwargs.get("device"), str) and ckwargs["device"].startswith("tpu"):
-        ckwargs["device"] = torch.device("cpu")
-    return _upload(op(*cargs, **ckwargs))
+    if kwargs:
+        ckwargs = {k: _to_host(v) for k, v in kwargs.items()}
+        if isinstance(ckwargs.get("device"), str) and ckwargs["device"].startswith("tpu"):
+            ckwargs["device"] = torch.device("cpu")
+        return _upload(op._op(*cargs, **ckwargs))
+    return _upload(op._op(*cargs))

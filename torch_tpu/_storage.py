@@ -636,34 +636,30 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 # id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks,
-# a CPU tensor over the data once host_tensor has made one, and whether a host op computed it:
+# a CPU tensor over the data once host_tensor has made one (a host op's result: that result itself), and
+# whether a host op computed it:
 # see is_host_result)
 _HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set, torch.Tensor | None, bool]] = {}
 _HOST_COPY_MAX_BYTES = 1 << 22
 
 
-def remember_host_copy(array: Any, data: np.ndarray) -> None:
+def remember_host_copy(array: Any, data: np.ndarray, whole: torch.Tensor | None = None,
+                       host_result: bool = False) -> None:
     """Keeps the host data a small integer or bool array was uploaded from, while it lives.
 
     Index tensors (token ids, class targets) arrive from the host, and CPU torch checks their
     values (bounds) at every use. With the host copy at hand such a check reads no device memory,
     so it neither transfers nor waits behind the step the device is still running.
+    ``host_result``: a host op computed ``array`` (its host copy is that op's CPU result): the small
+    integer bookkeeping of a decoding loop, whose next ops then stay on the host too
+    (``_shape_churn.inputs_on_host``). ``whole``: that result, a CPU tensor over the host copy's
+    memory, which :func:`host_tensor` then hands out (no wrapping per read).
     """
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
         data.flags.writeable = False  # handed to readers as it is (host_copy)
         key = id(array)
-        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), None,
-                             False)
-
-
-def mark_host_result(array: Any, whole: torch.Tensor | None = None) -> None:
-    """Notes that a host op computed ``array`` (its host copy is that op's CPU result): the small
-    integer bookkeeping of a decoding loop, whose next ops then stay on the host too
-    (``_shape_churn.inputs_on_host``). ``whole``: that result as a flat CPU tensor over the host
-    copy's memory, which :func:`host_tensor` then hands out as it is (no wrapping per upload)."""
-    kept = _HOST_COPIES.get(id(array))
-    if kept is not None and kept[0]() is array:
-        _HOST_COPIES[id(array)] = (*kept[:3], kept[3] if whole is None else whole, True)
+        _HOST_COPIES[key] = (weakref.ref(array, lambda _r, k=key: _HOST_COPIES.pop(k, None)), data, set(), whole,
+                             host_result)
 
 
 def is_host_result(t: torch.Tensor) -> bool:

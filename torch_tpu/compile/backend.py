@@ -647,6 +647,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     Lazy = fused.Lazy
     trusted: list[Program] = []  # the one program, once Dynamo's guards stand for its key
     kinds: list[int] = []  # per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
+    # per input, the (shape, dtype) Dynamo's guards fix for a tpu tensor: its storage is compared
+    # with these, which costs less than reading the tensor's own shape and dtype at every call
+    fixed: list[tuple] = []
     can_trust = not symbols
 
     def program_for(key: list) -> Program:
@@ -712,7 +715,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
         trust = trusted and capture is None  # a graph capture checks every input
         recording = executor.recording()
         if trust:  # Dynamo's guards fixed each input's device, dims and dtype: its kind is known
-            for a, kind in zip(args, kinds):
+            for a, kind, (shape, dtype) in zip(args, kinds, fixed):
                 if kind == 0:
                     st = a.untyped_storage()
                     v = st._jx
@@ -721,7 +724,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                             v = st._jx = v.value
                         elif not recording:
                             v = None
-                    if (v is None or a.dtype != st._dtype or a.shape != st._shape or a.storage_offset()
+                    if (v is None or st._dtype is not dtype or st._shape != shape or a.storage_offset()
                             or not a.is_contiguous()):
                         v = read(a)
                     arrays.append(v)
@@ -732,6 +735,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
         else:
             learn = can_trust and not trusted
             kinds.clear()
+            fixed.clear()
             for a in args:
                 if isinstance(a, torch.Tensor):
                     if a.device == TPU_DEVICE:
@@ -750,12 +754,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                         key.append((a.shape, a.dtype))
                         if learn:
                             kinds.append(0)
+                            fixed.append((tuple(a.shape), a.dtype))
                     elif a.dim() == 0 and a.dtype in _PLAIN_CPU:
                         # read now: AOTAutograd's host part writes the step count's new value after
                         host.setdefault(a.dtype, []).append(a.item())
                         key.append(((), a.dtype, _HOST))
                         if learn:
                             kinds.append(1)
+                            fixed.append(((), a.dtype))
                     else:
                         # a CPU tensor: a batch the graph moves to tpu (torch's trace already refused one
                         # used on tpu without a move). A copy: XLA:CPU may alias host memory
@@ -763,6 +769,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                         key.append((a.shape, a.dtype))
                         if learn:
                             kinds.append(2)
+                            fixed.append(((), None))
                 else:
                     key.append(a)
         vectors = [np.array(vs, dtype=_dtypes.to_jax(dt)) for dt, vs in host.items()] if host else ()

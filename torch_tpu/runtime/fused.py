@@ -82,24 +82,37 @@ _SKIP = (os.path.join(_TORCH_DIR, "torch") + os.sep, _OUR_DIR + os.sep, "<frozen
 
 
 _skipped_file: dict[str, bool] = {}  # a frame's file name -> whether it is torch's or ours
+# (id of a code object, instruction offset) -> ((file name, line), the code object): a frame's line
+# number is worked out by walking its function's line table from the start, thousands of
+# instructions in a long function (transformers' decoding loop), where the offset is at hand and its
+# line never changes. Keyed by id, since hashing a code object costs as much as the walk; the entry
+# holds its code object, so that id is not reused while the entry lives.
+_sites: dict[tuple[int, int], tuple[tuple[str, int], Any]] = {}
 
 
 def user_site() -> tuple[str, int] | None:
     """The innermost source line outside torch and torch_tpu: where the user asked for this.
     Whether a file is skipped is remembered by its name (a string caches its hash, so the lookup
-    costs less than the prefix test it saves)."""
+    costs less than the prefix test it saves), and each line by its code object and offset."""
     try:
         f = sys._getframe(2)
     except ValueError:  # called from a kernel the autograd engine's thread runs: no Python caller
         return None
     skipped = _skipped_file
     while f is not None:
-        name = f.f_code.co_filename
+        code = f.f_code
+        name = code.co_filename
         skip = skipped.get(name)
         if skip is None:
             skip = skipped[name] = name.startswith(_SKIP)
         if not skip:
-            return (name, f.f_lineno)
+            at = (id(code), f.f_lasti)
+            known = _sites.get(at)
+            if known is None:
+                if len(_sites) >= 1 << 16:  # code objects come and go (exec, notebooks): a bounded memo
+                    _sites.clear()
+                known = _sites[at] = ((name, f.f_lineno), code)
+            return known[0]
         f = f.f_back
     return None
 
