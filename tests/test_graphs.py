@@ -364,6 +364,28 @@ def test_a_compiled_model_inside_a_captured_step_matches_cpu():
         assert_same(b.detach(), a.detach(), rtol=RTOL, atol=ATOL)
 
 
+def test_a_compiled_model_runs_eagerly_after_a_capture_of_it():
+    """The compiled model called outside the graph after a capture used it (evaluation between
+    replays) gives CPU's outputs: the capture's own check of every input leaves what later calls
+    trust in place (they raised StopIteration)."""
+    mc = model()
+    mt = copy.deepcopy(mc).to("tpu")
+    compiled = torch.compile(mt, backend="tpu")
+    x = batches(1)[0][0]
+    xt = x.to("tpu")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(xt)
+        g = torch.tpu.TPUGraph()
+        with torch.tpu.graph(g):
+            static_out = compiled(xt)
+        g.replay()
+        after = compiled(xt)
+        want = mc(x)
+    assert_same(static_out, want, rtol=RTOL, atol=ATOL)
+    assert_same(after, want, rtol=RTOL, atol=ATOL)
+
+
 def test_a_tensor_learning_rate_follows_its_schedule_across_replays():
     """Python numbers are frozen at capture; a tensor lr is a static input, so a scheduler that
     updates it in place (between replays) changes the replayed steps, as on CPU."""

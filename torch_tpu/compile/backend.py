@@ -734,8 +734,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                     arrays.append(_dtypes.cpu_to_numpy(a).copy())
         else:
             learn = can_trust and not trusted
-            kinds.clear()
-            fixed.clear()
+            if learn:  # a call while trusted (a graph capture checks every input) keeps what was learnt
+                kinds.clear()
+                fixed.clear()
             for a in args:
                 if isinstance(a, torch.Tensor):
                     if a.device == TPU_DEVICE:
