@@ -225,8 +225,9 @@ def _upload(x: Any) -> Any:
     from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
 
     if type(x) is torch.Tensor and x.is_cpu:
-        if x.dtype in _PLAIN and x.is_contiguous() and not x.requires_grad:
-            # the host copy is x's memory, and x itself is what host_tensor hands out
+        if x.dtype in _PLAIN and x.is_contiguous() and not x.storage_offset() and not x.requires_grad:
+            # the host copy is x's memory, and x itself is what host_tensor hands out (views of it
+            # are made with as_strided, whose offset counts from the start of x's storage)
             array = numpy_to_device(x.numpy(), x, True)
             return _storage.new_tensor(tuple(x.shape), x.dtype, array)
         if not x._is_zerotensor():
