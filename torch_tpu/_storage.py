@@ -636,9 +636,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 # id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks,
-# a CPU tensor over the data once host_tensor has made one (a host op's result: that result itself), and
-# whether a host op computed it:
-# see is_host_result)
+# a CPU tensor over the data once host_tensor has made one (for a host op's result, that result
+# itself), and whether a host op computed it: see is_host_result)
 _HOST_COPIES: dict[int, tuple[weakref.ref, np.ndarray, set, torch.Tensor | None, bool]] = {}
 _HOST_COPY_MAX_BYTES = 1 << 22
 
@@ -713,8 +712,11 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor | None:
         if whole.dtype != t.dtype:
             return None
         _HOST_COPIES[id(t.untyped_storage()._jx)] = (kept[0], data, kept[2], whole, kept[4])
-    if not t.storage_offset() and t.is_contiguous() and t.numel() == whole.numel():
-        return whole.view(t.shape)
+    if not t.storage_offset() and t.is_contiguous():
+        if whole.shape == t.shape:
+            return whole  # read only, as every reader of a host copy (a host op's own result)
+        if t.numel() == whole.numel():
+            return whole.view(t.shape)
     return whole.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
