@@ -447,6 +447,48 @@ def test_guard_latency_is_profiled_only_when_logged():
     assert out.stdout.split() == ["0", "1", "True", "True"], out.stdout
 
 
+_EXPLAIN_SCRIPT = """
+import torch
+import torch_tpu
+
+def run(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8).to(device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    explained = torch._dynamo.explain(step)()
+    return explained.graph_count, explained.graph_break_count, [p.detach().cpu() for p in model.parameters()]
+
+cpu, tpu = run("cpu"), run("tpu")
+print(cpu[:2] == tpu[:2], all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cpu[2], tpu[2])))
+"""
+
+
+def test_dynamo_explain_of_a_training_step_as_on_cpu():
+    """``torch._dynamo.explain`` (and any backend other than ours) runs the eager code between
+    graph breaks under Dynamo's frame hook, which tried to compile the jax functions our kernels call
+    (a zeros program for the optimizer's state) and failed inside jax. Our frames are skipped as soon
+    as Dynamo loads, whichever backend loads it: the same graphs and breaks as CPU, CPU's weights.
+    A fresh process, so that Dynamo is loaded after torch_tpu, as in a user's script."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": "off", "TORCH_TPU_PLATFORM": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _EXPLAIN_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True"], out.stdout
+
+
 def _adamw_steps(mode: str | None, steps: int = 6) -> tuple[list, list, list, list]:
     """A compiled AdamW training step on tpu beside the same step on CPU, with a new batch each step
     copied into one static input (as CUDA-graph code does) and the losses of every step kept."""

@@ -50,6 +50,7 @@ _autocast.install()
 ops.conv.install()
 
 from torch_tpu._device import platform  # noqa: E402
+from torch_tpu.compile.backend import adjust_dynamo_when_loaded  # noqa: E402
 from torch_tpu.compile.export import export, load  # noqa: E402
 from torch_tpu.custom import jax_op  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
@@ -62,6 +63,7 @@ from torch_tpu.runtime.profiler import profile  # noqa: E402
 from torch_tpu.runtime.report import metrics_report  # noqa: E402
 
 _cache.configure_persistent_cache()
+adjust_dynamo_when_loaded()  # Dynamo never traces our kernels, whichever backend runs (see there)
 if not _torch_tpu_autoload.autoloaded():  # registered during ``import torch``, before any backward
     _device.check_autograd_engine()
 _fused.step_boundary(get_eager_mode() is EagerMode.FUSED)

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import math
 import operator
+import sys
 import warnings
 import zlib
 from collections.abc import Callable
@@ -837,11 +840,12 @@ _BENEATH_THE_DISPATCHER = (
 TRACEABLE_PRIVATE = ("torch_tpu._module_move", "torch_tpu._streams")
 
 
-def skip_our_frames() -> None:
+def skip_our_frames(trace_rules: Any = None) -> None:
     """Dynamo must never trace torch_tpu's kernels or the jax code they call: they run beneath
     the dispatcher, also when eager code between graph breaks calls them. User-facing wrappers
     (``jax_op`` functions) stay traceable, so their ops land in the graph."""
-    from torch._dynamo import trace_rules
+    if trace_rules is None:
+        from torch._dynamo import trace_rules
 
     for name in _BENEATH_THE_DISPATCHER:
         if name not in _SKIPPED:
@@ -908,6 +912,62 @@ def _no_guard_latency_profile() -> None:
         return profile_guard_manager
 
     _replace_in_torch("torch._dynamo.guards", "profile_guard_manager", wrap)
+
+
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Adjusts Dynamo's modules as soon as each is loaded, whatever backend or tool loads them
+    (``torch._dynamo.explain``, ``backend="eager"``), before Dynamo traces anything: our frames
+    skipped (with any backend, eager code between graph breaks runs our kernels under Dynamo's
+    frame hook, which would otherwise try to compile the jax functions they call, and fail on jax's
+    internals), and the optimizer guards' and guard profile's shortcuts in place before the first
+    optimizer is traced. Importing Dynamo up front instead would add 0.65 s to ``import torch_tpu``."""
+
+    def __init__(self, pending: dict[str, Callable[[Any], None]]) -> None:
+        self.pending = pending
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        then = self.pending.pop(fullname, None)
+        if then is None:
+            return None
+        if not self.pending:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Then(spec.loader, then)
+        return spec
+
+
+class _Then(importlib.abc.Loader):
+    """A loader that runs a module as its own loader would, then calls ``then`` with it."""
+
+    def __init__(self, inner: Any, then: Callable[[Any], None]) -> None:
+        self._inner = inner
+        self._then = then
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        self._then(module)
+
+
+def adjust_dynamo_when_loaded() -> None:
+    """Called at ``import torch_tpu``: each adjustment is made now if its Dynamo module is loaded,
+    else when it is."""
+    adjustments: dict[str, Callable[[Any], None]] = {
+        "torch._dynamo.trace_rules": skip_our_frames,
+        "torch._dynamo.variables.optimizer": lambda module: _no_inductor_for_optimizer_guards(),
+        "torch._dynamo.guards": lambda module: _no_guard_latency_profile(),
+    }
+    pending = {}
+    for name, then in adjustments.items():
+        if name in sys.modules:
+            then(sys.modules[name])
+        else:
+            pending[name] = then
+    if pending and not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenDynamoLoads(pending))
 
 
 _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
