@@ -150,20 +150,22 @@ def _extend(ids: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
 def test_a_host_op_reading_a_device_result_is_reported_by_name():
     """A decoding loop's ``cat``: once its growing shapes run on the host, the new column the device
     computed is read there (the wait a decoding step makes per token); extending the ids with a
-    column the host computed reads nothing from the device."""
-    ids_c = torch.randint(0, 50, (2, 4))
+    column the host computed reads nothing from the device. Shapes no other test uses (3 rows from
+    11 columns): a ``cat`` whose program an earlier test compiled runs on the device, reading nothing
+    on the host, and there is then no wait to report."""
+    ids_c = torch.randint(0, 50, (3, 11))
     ids = ids_c.to("tpu")
     for _ in range(5):  # from the fourth length on, the cat runs on the host
         ids = _extend(ids, ids[:, -1:] + 1)
         ids_c = _extend(ids_c, ids_c[:, -1:] + 1)
     torch.tpu.synchronize()
-    step = torch.ones(2, 1, dtype=torch.long, device="tpu") * 3  # computed on the device
+    step = torch.ones(3, 1, dtype=torch.long, device="tpu") * 3  # computed on the device
     torch.tpu.set_sync_debug_mode("warn")
     with pytest.warns(UserWarning, match=rf"aten\.cat\.default run on the host, reading an input the device "
-                                         rf"computed \(torch\.int64 \[2, 1\]\), at {HERE}:\d+"):
+                                         rf"computed \(torch\.int64 \[3, 1\]\), at {HERE}:\d+"):
         ids = _extend(ids, step)
     torch.tpu.set_sync_debug_mode("error")
     ids = _extend(ids, ids[:, -1:] + 1)  # host results only: no wait
     torch.tpu.set_sync_debug_mode("default")
-    ids_c = _extend(ids_c, torch.full((2, 1), 3))
+    ids_c = _extend(ids_c, torch.full((3, 1), 3))
     assert_same(ids, _extend(ids_c, ids_c[:, -1:] + 1))
