@@ -128,6 +128,36 @@ def test_compiled_whole_training_step(capturable):
         assert float(step_count.cpu()) == float(oc.state[a]["step"]) == 6.0
 
 
+def test_compiled_adamw_step_counters_replaced_between_steps():
+    """AdamW's host step counters are written in place through views of their memory (the first
+    three steps); counters replaced between steps (a resumed run's state, which Dynamo moves to the
+    parameters' device when it traces the optimizer again) are the ones updated from then on, and
+    the bias corrections read them: CPU's weights and counts."""
+    mc = mlp()
+    mt = copy.deepcopy(mc).to("tpu")
+    oc = torch.optim.AdamW(mc.parameters(), lr=1e-2)
+    ot = torch.optim.AdamW(mt.parameters(), lr=1e-2)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    xt, yt = x.to("tpu"), y.to("tpu")
+
+    def step(m, o, x, y):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+
+    cstep = torch.compile(step, backend="tpu")
+    for i in range(7):
+        if i == 3:
+            for o in (oc, ot):
+                for state in o.state.values():
+                    state["step"] = torch.tensor(100.0)
+        step(mc, oc, x, y)
+        cstep(mt, ot, xt, yt)
+    for a, b in zip(mc.parameters(), mt.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=RTOL, atol=ATOL)
+        assert float(ot.state[b]["step"].cpu()) == float(oc.state[a]["step"]) == 104.0
+
+
 def test_compiled_step_runs_as_one_program_per_step():
     # The forward, backward and optimizer graphs of a step are deferred and run together when the
     # next step's forward starts (or a host read needs them): one cached program per step.
