@@ -969,6 +969,9 @@ class _Then(importlib.abc.Loader):
         self._inner.exec_module(module)
         self._then(module)
 
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package...: the file's own
+        return getattr(self._inner, name)
+
 
 def adjust_dynamo_when_loaded() -> None:
     """Called at ``import torch_tpu``: each adjustment is made now if its Dynamo module is loaded,
