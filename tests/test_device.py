@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -344,3 +346,27 @@ def test_record_stream_is_accepted_as_on_cuda():
         assert t.record_stream(s) is None
     assert dict(torch_tpu.metrics()["fallback_counts"]) == before
     assert torch.equal(t.cpu(), torch.arange(4.0))
+
+
+@pytest.mark.skipif(not torch_tpu._extension.available(), reason="needs the C++ extension")
+def test_device_guards_ask_python_nothing_and_answer_as_before(monkeypatch):
+    """With the extension, tpu device guards are answered in C++: a training step with backward
+    calls the Python guard's ``type_`` not once (torch's Python registration called it over a
+    thousand times in a small model's step), and the answers are the ones the Python guard gave:
+    device index 0, the default stream, CPU's gradients."""
+    import _torch_tpu_autoload
+
+    calls = []
+    original = _torch_tpu_autoload._Guard.type_
+    monkeypatch.setattr(_torch_tpu_autoload._Guard, "type_", lambda self: calls.append(1) or original(self))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    moved = copy.deepcopy(model).to("tpu")
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    moved(x.to("tpu")).square().sum().backward()
+    for a, b in zip(model.parameters(), moved.parameters()):
+        torch.testing.assert_close(b.grad.cpu(), a.grad)
+    assert calls == []
+    assert torch.tpu.current_device() == 0 and torch.tpu.device_count() >= 1
+    assert torch.tpu.current_stream().stream_id == torch.tpu.default_stream().stream_id

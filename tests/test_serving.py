@@ -8,6 +8,7 @@ table, so a new kernel that graphs lack fails here. Every served op counts in ``
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -89,8 +90,9 @@ def test_hand_kernels_count_in_metrics():
         assert counts.get(name) == 1, (name, counts)
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600,
+                          env=env)
 
 
 def test_compiled_boolean_mask_index_put_with_grad_does_not_abort():
@@ -122,22 +124,26 @@ def test_compiled_boolean_mask_index_put_with_grad_does_not_abort():
 
 def test_error_in_a_traced_backward_on_tpu_is_raised_not_an_abort():
     """Any exception a ``__torch_dispatch__`` mode raises inside a backward node on tpu (here fake
-    tensors refusing a data-dependent shape) reaches the caller."""
-    r = _run("""
-        import torch, torch_tpu
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch_tpu import _device
-        with FakeTensorMode():
-            x = torch.randn(5, 3, device="tpu", requires_grad=True)
-            m = torch.ones(5, dtype=torch.bool, device="tpu")
-            v = torch.randn(5, 3, device="tpu", requires_grad=True)
-            y = torch.index_put(x, (m,), v).sum()
-            try:
-                torch.autograd.grad(y, [x, v])  # v's gradient is grad[m]: a data-dependent shape
-            except (SystemError, RuntimeError):
-                pass
-        lost = _device.take_lost_exception()
-        assert "nonzero" in repr(lost), repr(lost)
-        print("ok")
-    """)
-    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])
+    tensors refusing a data-dependent shape) reaches the caller: as itself where the C++ extension
+    answers device guards, or taken over by the Python guard (``_Guard.type_``) where it does not,
+    which torch's engine then reports as a SystemError. Both guards are run, one process each."""
+    for python_guard in ("0", "1"):
+        r = _run("""
+            import torch, torch_tpu
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch_tpu import _device
+            with FakeTensorMode():
+                x = torch.randn(5, 3, device="tpu", requires_grad=True)
+                m = torch.ones(5, dtype=torch.bool, device="tpu")
+                v = torch.randn(5, 3, device="tpu", requires_grad=True)
+                y = torch.index_put(x, (m,), v).sum()
+                try:
+                    torch.autograd.grad(y, [x, v])  # v's gradient is grad[m]: a data-dependent shape
+                    raise AssertionError("no error")
+                except (SystemError, RuntimeError) as e:
+                    raised = e
+            lost = _device.take_lost_exception()
+            assert "nonzero" in repr(lost if isinstance(raised, SystemError) else raised), (repr(raised), repr(lost))
+            print("ok")
+        """, env={**os.environ, "TORCH_TPU_PYTHON_DEVICE_GUARD": python_guard})
+        assert r.returncode == 0 and "ok" in r.stdout, (python_guard, r.returncode, r.stderr[-3000:])

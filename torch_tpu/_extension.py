@@ -1,25 +1,30 @@
 """torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
 
-Today that is four things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+Today that is five things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
 only through a factory registered from C++ (``csrc/generator.cpp``). Nested tensors: torch's
 device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
 write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``_nested``).
 ``torch.accelerator.Graph`` (torch >= 2.13): the graph implementation torch asks a registry for,
-forwarding to ``torch.tpu``'s graphs (``csrc/graph.cpp``). And the device's host allocator, which
-``torch.accelerator.empty_host_cache`` asks for (``csrc/host_allocator.cpp``).
+forwarding to ``torch.tpu``'s graphs (``csrc/graph.cpp``). The device's host allocator, which
+``torch.accelerator.empty_host_cache`` asks for (``csrc/host_allocator.cpp``). And the device guard
+(the device index and stream torch's C++ sets around kernels and backward nodes): torch's Python
+registration answers each guard operation by calling Python, over a thousand times per small
+training step; ``csrc/device_guard.cpp`` gives the same answers in C++.
 The set-up command builds the extension against the installed torch (:func:`main`, which ``make``
 runs), into a folder per torch and Python version, since one source tree may serve several virtual environments.
 
 Without it everything else works: a tpu generator then cannot be made (torch raises its own
 NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``); an op on
 a nested tpu tensor raises NotImplementedError saying the extension is missing; ``torch.accelerator.Graph``
-raises torch's "not supported on device type: tpu" (``torch.tpu.graph`` works), and on torch 2.13
-``torch.accelerator.empty_host_cache()`` crashes once a tpu tensor exists (torch's null pointer).
+raises torch's "not supported on device type: tpu" (``torch.tpu.graph`` works), on torch 2.13
+``torch.accelerator.empty_host_cache()`` crashes once a tpu tensor exists (torch's null pointer),
+and device guards call Python (slower; the same answers).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -29,7 +34,7 @@ import torch
 
 _NAME = "torch_tpu_C"
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp")]
+            for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp", "device_guard.cpp")]
 _loaded: list[ModuleType | None] = []
 _why: list[str] = []
 
@@ -71,6 +76,9 @@ def load() -> ModuleType | None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             module.register_generator()
+            # an older build lacks it; TORCH_TPU_PYTHON_DEVICE_GUARD=1 keeps torch's Python guard
+            if hasattr(module, "register_device_guard") and os.environ.get("TORCH_TPU_PYTHON_DEVICE_GUARD") != "1":
+                module.register_device_guard()
         except Exception as e:  # noqa: BLE001 - any failure leaves the package as it is without it
             module = None
             _why.append(f"{path} did not load: {type(e).__name__}: {e}")

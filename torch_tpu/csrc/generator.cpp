@@ -109,7 +109,13 @@ bool register_generator() {
 
 }  // namespace
 
+namespace tpu {
+bool register_device_guard();  // csrc/device_guard.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels";
   m.def("register_generator", &register_generator, "Lets torch.Generator(device='tpu') be made (once).");
+  m.def("register_device_guard", &tpu::register_device_guard,
+        "Answers tpu device guards in C++ instead of asking Python at each one.");
 }
