@@ -33,7 +33,7 @@ TEST_GROUPS := GROUP_OPINFO GROUP_OPS GROUP_A_L GROUP_M_Z
 # the extra venvs install exactly the versions named above, so they read an empty one instead.
 NO_CAP := $(abspath .ci/no-constraints.txt)
 
-.PHONY: demo test test-newest test-oldest opinfo coverage lint bench clean
+.PHONY: demo test test-newest test-oldest extra-venvs opinfo coverage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,10 @@ define short_pass
 	.venv-torch$(1)/bin/python examples/demo.py
 	.venv-torch$(1)/bin/python -m pytest $(SHORT_TESTS)
 endef
+
+# Both extra venvs, without testing: .ci/run builds them while `make test` runs (pip and the
+# compiler beside pytest) and then runs the two shorter passes in them.
+extra-venvs: .venv-torch$(NEWEST_TORCH)/.installed .venv-torch$(OLDEST_TORCH)/.installed
 
 test-newest: .venv-torch$(NEWEST_TORCH)/.installed
 	$(call short_pass,$(NEWEST_TORCH))

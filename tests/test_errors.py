@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -105,6 +107,76 @@ def test_index_check_on_device_values(mode):
                 out.sum().item()
         ok = torch.nn.functional.embedding(idx - 1, w)  # a failed check is reported once
         torch.testing.assert_close(ok.cpu(), w.cpu()[6:10])
+
+
+# Each op with an index one past the end; CPU raises at the op, a compiled graph at the next read
+_OUT_OF_RANGE = {
+    "index_copy_": lambda x, i: x.clone().index_copy_(0, i, torch.ones(1, 8, device=x.device)),
+    "index_select dim 0": lambda x, i: x.index_select(0, i),
+    "index_select dim 1": lambda x, i: x.index_select(1, i + 4),
+    "getitem": lambda x, i: x[i],
+    "setitem": lambda x, i: x.clone().index_put_((i,), torch.ones(8, device=x.device)),
+    "embedding": lambda x, i: _F.embedding(i, x),
+    "gather": lambda x, i: x.gather(0, i.view(1, 1).expand(1, 8)),
+    "scatter_": lambda x, i: x.clone().scatter_(0, i.view(1, 1).expand(1, 8), 1.0),
+    "index_add_": lambda x, i: x.clone().index_add_(0, i, torch.ones(1, 8, device=x.device)),
+    "index_fill_": lambda x, i: x.clone().index_fill_(0, i, 1.0),
+    "index_reduce_": lambda x, i: x.clone().index_reduce_(0, i, torch.ones(1, 8, device=x.device), "prod"),
+    "take": lambda x, i: x.take(i + 28),
+    "nll_loss": lambda x, i: _F.nll_loss(x, i.expand(4) + 4),
+}
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+@pytest.mark.parametrize("mode", ["debug", "strict", "fused"])
+@pytest.mark.parametrize("where", ["input", "computed"])
+@pytest.mark.parametrize("name", sorted(_OUT_OF_RANGE))
+def test_a_compiled_graph_checks_indices_as_eager_mode_does(name, where, mode):
+    """A compiled graph's out-of-range index raises CPU's exception and message (after the op's name
+    where CPU's does not name it); before, XLA's clamped or dropped access gave a silent wrong
+    answer. Indices given to the graph from the host, or views of them, are checked there, at the
+    call, as eager mode checks them at the op; indices the graph computes are checked by the graph's
+    program and raised at the next read (at the call in debug mode). A call with good indices
+    afterwards matches CPU."""
+    op = _OUT_OF_RANGE[name]
+    f = op if where == "input" else (lambda x, i: op(x, (i * 3 + 1) // 3))  # the same index, computed
+    x, bad, good = torch.randn(4, 8), torch.tensor([4]), torch.tensor([2])
+    expected = _raised(lambda d: op(x.to(d), bad.to(d)), "cpu")
+    message = re.escape(str(expected))
+    if where == "computed" and mode != "debug":
+        message += r" \(found on the device after the op, called at .*test_errors.py:\d+"
+    compiled = torch.compile(f, backend="tpu", dynamic=False)
+    torch._dynamo.reset()
+    with torch_tpu.set_eager_mode(mode):
+        with pytest.raises(type(expected), match=message):
+            compiled(x.to("tpu"), bad.to("tpu")).cpu()
+        torch.testing.assert_close(compiled(x.to("tpu"), good.to("tpu")).cpu(), f(x, good))
+        with pytest.raises(type(expected), match=message):  # eager mode: the same words
+            f(x.to("tpu"), bad.to("tpu")).cpu()
+
+
+@pytest.mark.parametrize("rows", [8, 6])
+def test_a_compiled_graph_checks_constant_positions_once(rows):
+    """Positions from ``torch.arange`` of constant length (a position embedding's) are checked when
+    the graph is compiled, not at every call: in range, a call queues no check for the device; out
+    of range, the call raises CPU's error as before."""
+    from torch_tpu.runtime import checks
+
+    def f(w, x):
+        return _F.embedding(torch.arange(7, device=w.device), w) + x
+
+    w, x = torch.randn(rows, 4), torch.randn(7, 4)
+    compiled = torch.compile(f, backend="tpu", dynamic=False)
+    torch._dynamo.reset()
+    if rows == 6:
+        expected = _raised(lambda d: f(w.to(d), x.to(d)), "cpu")
+        with pytest.raises(type(expected), match=re.escape(str(expected))):
+            compiled(w.to("tpu"), x.to("tpu")).cpu()
+        return
+    compiled(w.to("tpu"), x.to("tpu"))
+    queued = checks.mark()
+    torch.testing.assert_close(compiled(w.to("tpu"), x.to("tpu")).cpu(), f(w, x))
+    assert checks.mark() == queued
 
 
 def _raised(f, device):

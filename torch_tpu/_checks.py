@@ -10,7 +10,10 @@ has caught up: a sync per embedding lookup. So a check runs where the values alr
 - otherwise (indices the device computes, such as ``torch.arange(T, device="tpu")``) the check
   is a small program that runs with the step, and its error is raised at the next host read
   (``.item()``, ``.cpu()``, ``torch_tpu.sync()``), naming the op and the line that called it, as
-  CUDA reports a device-side assert. Debug mode gives the exact place.
+  CUDA reports a device-side assert. Debug mode gives the exact place;
+- in a compiled graph (``torch.compile(backend="tpu")``) the same checks are found when the graph
+  is lowered (:func:`collecting`) and computed by the graph's own program as extra outputs
+  (:func:`first_bad`), then deferred like the eager ones (:func:`defer_found`): no program more.
 
 The values' checks, above the storage layer (they read tensors); the queue of deferred ones is
 :mod:`torch_tpu.runtime.checks`.
@@ -18,8 +21,9 @@ The values' checks, above the storage layer (they read tensors); the queue of de
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -51,15 +55,78 @@ def outside_unless(xp: Any, a: Any, lo: int, hi: int, allowed: int) -> Any:
     return (a != allowed) & ((a < lo) | (a >= hi))
 
 
+def first_bad(bad: Predicate, params: tuple, a: Any) -> tuple:
+    """On the device: (any element of ``a`` marked by ``bad``, the first such value, its flat
+    index), the three values a deferred check waits on."""
+    m = bad(jnp, a, *params).reshape(-1)
+    flat = jnp.asarray(a).reshape(-1)
+    at = jnp.argmax(m)
+    return jnp.any(m), flat[at], at
+
+
 @functools.cache
 def _program(bad: Predicate, params: tuple) -> Program:
-    def body(a: Any) -> tuple:
-        m = bad(jnp, a, *params).reshape(-1)
-        flat = a.reshape(-1)
-        at = jnp.argmax(m)
-        return jnp.any(m), flat[at], at
+    return Program(f"value check {bad.__name__}{params}", functools.partial(first_bad, bad, params), multi=True)
 
-    return Program(f"value check {bad.__name__}{params}", body, multi=True)
+
+# While a graph is lowered: the checks its ops' own checks ask for, collected instead of made
+_collected: list | None = None
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list]:
+    """Within: :func:`check_values` makes no check but appends ``(tensor, predicate, params,
+    error, position)`` to the list given. The compile backend runs an op's eager check on the
+    traced (fake) values of its node's arguments in here, to learn which of them to check and
+    how; a graph's program then computes the check with the step (:func:`first_bad`)."""
+    global _collected
+    previous, _collected = _collected, []
+    try:
+        yield _collected
+    finally:
+        _collected = previous
+
+
+def defer_found(flag: Any, first: Any, at: Any, error: Callable[..., Exception], position: bool = False) -> None:
+    """A check a compiled graph computed (:func:`first_bad`'s three values): raised at the next
+    host read, as an eager check on device values is; at once in debug mode."""
+    site = fused.user_site()
+    make = error if position else (lambda v, _at: error(v))
+    pending.defer(flag, (first, at), make, f"{site[0]}:{site[1]}" if site else "?")
+    if executor.get_eager_mode() is EagerMode.DEBUG:
+        pending.raise_pending()
+
+
+def check_on_host(
+    t: torch.Tensor, bad: Predicate, params: tuple, error: Callable[..., Exception], position: bool = False
+) -> bool:
+    """:func:`check_values` where ``t``'s values are at hand on the host (a CPU tensor, an upload's
+    host copy, or any tensor in debug mode): checked there, raising if bad, and True. False, with
+    nothing done, where only the device has them."""
+    passed = sig = None
+    if t.device.type == "cpu":  # a CPU index where CPU torch allows one
+        values = _dtypes.cpu_to_numpy(t)
+    else:
+        passed = passed_checks(t)
+        if passed is not None:
+            sig = (bad, params, t.storage_offset(), t.shape, t.stride())
+            if sig in passed:
+                return True
+        values = host_copy(t)
+    if values is None and executor.get_eager_mode() is EagerMode.DEBUG:
+        values = to_numpy(t)
+    if values is None:
+        return False
+    m = np.asarray(bad(np, values, *params)).reshape(-1)
+    if m.any():
+        at = int(np.argmax(m))
+        value = np.asarray(values).reshape(-1)[at].item()
+        e = error(value, at) if position else error(value)
+        e.tpu_value_check = True  # the op's kernel lets its meta kernel's shape refusal go first
+        raise e
+    if passed is not None:
+        passed.add(sig)
+    return True
 
 
 def check_values(
@@ -70,28 +137,10 @@ def check_values(
     ``error(value, flat index of the value)``, for messages that name where it is (embedding_bag)."""
     if t.numel() == 0:
         return
-    passed = sig = None
-    if t.device.type == "cpu":  # a CPU index where CPU torch allows one
-        values = _dtypes.cpu_to_numpy(t)
-    else:
-        passed = passed_checks(t)
-        if passed is not None:
-            sig = (bad, params, t.storage_offset(), t.shape, t.stride())
-            if sig in passed:
-                return
-        values = host_copy(t)
-    if values is None and executor.get_eager_mode() is EagerMode.DEBUG:
-        values = to_numpy(t)
-    if values is not None:
-        m = np.asarray(bad(np, values, *params)).reshape(-1)
-        if m.any():
-            at = int(np.argmax(m))
-            value = np.asarray(values).reshape(-1)[at].item()
-            e = error(value, at) if position else error(value)
-            e.tpu_value_check = True  # the op's kernel lets its meta kernel's shape refusal go first
-            raise e
-        if passed is not None:
-            passed.add(sig)
+    if _collected is not None:
+        _collected.append((t, bad, params, error, position))
+        return
+    if check_on_host(t, bad, params, error, position):
         return
     with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
         flag, first, at = execute(_program(bad, params), read(t))

@@ -272,6 +272,75 @@ def _nonzero(xp: Any, values: Any) -> Any:
     return values != 0
 
 
+def _value_checks(n: torch.fx.Node) -> list[tuple]:
+    """The value checks eager mode makes for node ``n``'s op (index bounds, class targets, integer
+    division by zero), as ``(node checked, predicate, params, error, position)``. Found by running
+    the op's own check on the traced values of the node's arguments with the checks collected, not
+    made (``_checks.collecting``): one rule for eager ops and graphs. A check that needs more than
+    traced values (a value read on the host, a random op's) gives none, as before."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return []
+    from torch_tpu.ops.indexing import INDEX_CHECKS
+
+    check = INDEX_CHECKS.get(n.target)
+    if check is None:
+        lowering = LOWERINGS.get(n.target)
+        if lowering is None or lowering.check is None or lowering.random:
+            return []
+        check = lowering.check
+    metas = {id(a.meta.get("val")): a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+    if not metas:
+        return []
+    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+    kwargs = {k: v for k, v in kwargs.items() if k not in IGNORED_KWARGS}
+    try:
+        with value_checks.collecting() as found:
+            check(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the trace already passed the meta kernel: nothing to add
+        return []
+    checks = []
+    for t, bad, params, error, position in found:
+        if id(t) not in metas or not all(type(p) in (int, float, bool) for p in params):
+            continue
+        source = _values_source(metas[id(t)])
+        if not _statically_passes(source, bad, params):
+            checks.append((source, bad, params, error, position))
+    return checks
+
+
+# Ops whose result holds exactly its first argument's elements, in the same flat order, perhaps
+# repeated: a check of the result is a check of the argument, found at the same first bad value.
+_SAME_VALUES = frozenset((
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.flatten.using_ints, torch.ops.aten.alias.default,
+    torch.ops.aten.clone.default, torch.ops.aten.expand.default,
+))
+
+
+def _values_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose values a check of ``node`` reads: through reshapes to a graph input where
+    there is one, so that targets viewed as ``(-1,)`` are checked on the host copy the input
+    often has (run's ``on_host``) rather than waited for on the device."""
+    while (node.op == "call_function" and node.target in _SAME_VALUES and node.args
+           and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def _statically_passes(node: torch.fx.Node, bad: Callable, params: tuple) -> bool:
+    """Whether ``node``'s values pass the check whatever the graph's inputs: an ``arange`` of
+    constant bounds (positions for a position embedding) is checked once, here, on its values."""
+    if node.op != "call_function" or node.target not in (torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+                                                          torch.ops.aten.arange.start_step):
+        return False
+    bounds = node.args
+    if not all(type(b) in (int, float) for b in bounds):
+        return False  # a symbolic length: the check stays in the graph
+    values = np.arange(*bounds)
+    return values.size <= 1 << 16 and not np.asarray(bad(np, values, *params)).any()
+
+
 def _mask_rows(n: torch.fx.Node) -> tuple[torch.fx.Node, int, Callable[[Any], Exception]] | None:
     """``x[mask] = values`` with one row of values per true element: CPU raises when the counts
     differ, which a static graph cannot see. (mask node, rows, CPU's error from the difference), or
@@ -334,20 +403,34 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
             _lowering_of(n.target)
             _bool_index_error(n)
     n_random = sum(1 for n in nodes if n.op == "call_function" and _is_random(n.target))
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = next(n for n in nodes if n.op == "output")
     out_metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
     device_mutations = [n for n in mutations if n not in skip]
     # value checks a graph cannot raise at the op: each becomes an extra output, nonzero when failed
-    checked: list[tuple[Callable[[dict], Any], Callable[[Any], Exception], Any]] = []  # value, error, meta
+    # (value, error, metas): ``value(env)`` gives one array per meta. One array: nonzero where the
+    # check failed (``error(first nonzero value)``); three: ``_checks.first_bad``'s (failed, first
+    # bad value, its flat index), ``error`` then (the error builder, whether it takes the index, the
+    # position of the graph input checked or None, the predicate, its parameters)
+    checked: list[tuple[Callable[[dict], Any], Any, list]] = []
     for n in nodes if checks else ():
         if n.op == "call_function" and n.target is _WITH_EFFECTS and n.args[1] in _DROPPED_EFFECTS:
             api_name = n.args[3] if len(n.args) > 3 else n.kwargs["api_name"]
-            checked.append((functools.partial(_value, a=n.args[2]), functools.partial(_linalg_error, api_name),
-                            n.args[2].meta.get("val")))
+            checked.append((lambda env, a=n.args[2]: (_value(env, a),), functools.partial(_linalg_error, api_name),
+                            [n.args[2].meta.get("val")]))
         elif (mask_rows := _mask_rows(n)) is not None:
             mask, rows, error = mask_rows
             count = torch.empty((), dtype=torch.int64, device="meta")
-            checked.append((lambda env, m=mask, r=rows: (jnp.sum(env[m] != 0) - r).astype(jnp.int64), error, count))
+            checked.append((lambda env, m=mask, r=rows: ((jnp.sum(env[m] != 0) - r).astype(jnp.int64),), error,
+                            [count]))
+        elif n not in mutations and n.op == "call_function":
+            for node, bad, params, error, position in _value_checks(n):
+                dtype = node.meta["val"].dtype
+                metas = [torch.empty((), dtype=d, device="meta") for d in (torch.bool, dtype, torch.int64)]
+                # a graph input's values may be on the host (token ids): checked there first, see run
+                given = placeholders.index(node) if node.op == "placeholder" else None
+                checked.append((lambda env, x=node, b=bad, p=params: value_checks.first_bad(b, p, env[x]),
+                                (error, position, given, bad, params), metas))
 
     def fn(rng: list, *inputs: Any) -> tuple:
         env: dict[torch.fx.Node, Any] = {}
@@ -388,12 +471,12 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 env[n] = _apply(lowering, key, args, kwargs, n.meta.get("val"), n.target)
             elif n.op == "output":
                 return (tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
-                        + tuple(value(env) for value, _, _ in checked))
+                        + tuple(x for value, _, _ in checked for x in value(env)))
         raise AssertionError("graph without output")
 
-    # with ``checks``: after the outputs and mutations, one array per check, nonzero where it failed;
-    # ``fn.checks`` holds (the error it raises, given the first nonzero value; the array's meta)
-    fn.checks = [(error, meta) for _, error, meta in checked]
+    # with ``checks``: after the outputs and mutations, each check's arrays (see ``checked``);
+    # ``fn.checks`` holds (its error, the arrays' metas)
+    fn.checks = [(error, metas) for _, error, metas in checked]
     return fn, n_random, out_metas
 
 
@@ -653,7 +736,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     symbols = _size_symbols(placeholders)
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
     avals = None if _own_shapes(gm) else _static_avals(
-        out_metas + [placeholders[i].meta.get("val") for i in mutated] + [meta for _, meta in fn.checks])
+        out_metas + [placeholders[i].meta.get("val") for i in mutated] + [m for _, metas in fn.checks for m in metas])
     run_host = _host_program(gm, host_nodes, host_outs) if host_outs or host_mutations else None
     cache: dict[tuple, Program] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
@@ -665,6 +748,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     out_kinds = [2 if i in host_outs else 0 if isinstance(m, torch.Tensor) else 1 for i, m in enumerate(out_metas)]
     out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
     checks = fn.checks
+    input_checks = any(len(metas) == 3 and error[2] is not None for error, metas in checks)
     Lazy = fused.Lazy
     trusted: list[Program] = []  # the one program, once Dynamo's guards stand for its key
     kinds: list[int] = []  # per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
@@ -797,6 +881,11 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
         vectors = [np.array(vs, dtype=_dtypes.to_jax(dt)) for dt, vs in host.items()] if host else ()
         if recording:
             fused.begin_graph(graph_id, arrays)
+        # checks of graph inputs whose values the host has (token ids): made now, as eager mode
+        # makes them at the op; the device's copy of the check is then not waited on
+        on_host = [i for i, (error, metas) in enumerate(checks) if len(metas) == 3 and error[2] is not None
+                   and value_checks.check_on_host(args[error[2]], error[3], error[4], error[0], error[1])
+                   ] if input_checks else ()
         # after the inputs are read: the host part updates CPU inputs in place
         host_results = run_host(args) if run_host is not None else None
         targets = [args[i] for i in mutated] if n_mutated else ()
@@ -826,9 +915,15 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
             else:
                 write(t, v)
         if checks:
-            for (error, meta), v in zip(checks, outs[n_out + n_mutated:]):
-                flag = new_tensor(tuple(meta.shape), meta.dtype, v)
-                value_checks.check_values(flag, _nonzero, (), error)
+            at = n_out + n_mutated
+            for i, (error, metas) in enumerate(checks):
+                if len(metas) == 3:  # found on the device with the step: deferred as it is
+                    if i not in on_host:
+                        value_checks.defer_found(outs[at], outs[at + 1], outs[at + 2], error[0], error[1])
+                else:
+                    meta = metas[0]
+                    value_checks.check_values(new_tensor(tuple(meta.shape), meta.dtype, outs[at]), _nonzero, (), error)
+                at += len(metas)
         results = []
         for i, (o, kind, dtype) in enumerate(zip(outs, out_kinds, out_dtypes)):
             if kind == 0:

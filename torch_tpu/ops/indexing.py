@@ -42,16 +42,20 @@ def index_range(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def check_bounds(
-    op: str, index: torch.Tensor, size: int, dim: int, exc: type = RuntimeError, negative: bool = False
+    op: str, index: torch.Tensor, size: int, dim: int, exc: type = RuntimeError, negative: bool = False,
+    message: str | None = None,
 ) -> None:
-    """Raises ``exc`` unless every value of ``index`` addresses one of ``size`` entries.
+    """Raises ``exc`` unless every value of ``index`` addresses one of ``size`` entries. Its message
+    names the op (``op``), the index, the dim and the size, in CPU's words; or is ``message``.
 
     ``negative``: indices in [-size, 0) are allowed (they count from the end), as in ``t[idx]``.
     """
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         return  # the meta kernel raises CPU's dtype error
     lo_ok = -size if negative else 0
-    if size == 0:  # CPU's message names no index and no dim then
+    if message is not None:
+        error = lambda v: exc(message)
+    elif size == 0:  # CPU's message names no index and no dim then
         error = lambda v: exc(f"{op}: index is out of bounds for dimension with size 0")
     else:
         error = lambda v: exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
@@ -301,6 +305,19 @@ _mask_kernel(aten._index_put_impl_.default, "inplace", _index_put, put=True)
 _mask_kernel(aten._index_put_impl.out, "out", _index_put, put=True)
 
 
+def _graph_index_check(name: str):
+    def check(self, indices, *args, **kwargs):
+        _check_index_args(self, indices, name)
+
+    return check
+
+
+# The bounds checks of advanced indexing for a compiled graph's nodes, whose lowering is the plain
+# one (the kernels above check in eager mode): compile/backend.py computes them with the graph
+INDEX_CHECKS = {op: _graph_index_check(str(op).removeprefix("aten."))
+                for op in (aten.index.Tensor, aten.index_put.default, aten._index_put_impl.default)}
+
+
 @lower(aten._unsafe_index.Tensor)
 def _unsafe_index(self, indices):
     """The caller promises in-range indices (upsampling decompositions): no check, no sync."""
@@ -326,8 +343,24 @@ def _unsafe_masked_index_put_accumulate(self, mask, indices, values):
 
 # ------------------------------------------------------------------------- index_select & co
 def _check_index_select(self, dim, index):
+    """CPU's errors after the op's name, which depend on the dim: CPU's kernel for ``dim == 1`` of a
+    tensor of two or more dims raises a RuntimeError in Caffe2's words, every other an IndexError."""
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        return  # the meta kernel raises CPU's dtype error
     d = _dim(dim, self.dim())
-    check_bounds("index_select()", index, self.shape[d] if self.dim() else 1, d)
+    size = self.shape[d] if self.dim() else 1
+    if size == 0 and index.numel():
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
+    if self.dim() > 1 and d == 1:
+        error = lambda v: RuntimeError(f"index_select(): INDICES element is out of DATA bounds, id={v} axis_dim={size}")
+    else:
+        error = lambda v: IndexError("index_select(): index out of range in self")
+    if is_tpu(index):
+        checks.check_values(index, checks.outside, (0, size), error)
+        return
+    for v in index_range(index) or ():
+        if v < 0 or v >= size:
+            raise error(v)
 
 
 @lower(aten.index_select, check=_check_index_select)
@@ -398,10 +431,12 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     return _scatter_with(self, dim, index, src, reduce, include_self)
 
 
-def _index_dim_check(op: str, exc: type = RuntimeError, negative: bool = False):
+def _index_dim_check(op: str, exc: type = RuntimeError, negative: bool = False, message: str | None = None):
+    """The bounds check of an ``index_*`` op along a dim: ``op`` names it in the message (CPU's own
+    name where CPU's message has one), ``message`` is a fixed one."""
     def check(self, dim, index, *args, **kwargs):
         d = _dim(dim, self.dim())
-        check_bounds(op, index, self.shape[d] if self.dim() else 1, d, exc, negative)
+        check_bounds(op, index, self.shape[d] if self.dim() else 1, d, exc, negative, message)
 
     return check
 
@@ -424,7 +459,7 @@ def index_add(self, dim, index, source, alpha=None):
     return _add_at(x.at[key], src.astype(x.dtype)).reshape(self.shape)
 
 
-@lower(aten.index_copy, check=_index_dim_check("index_copy()", IndexError))
+@lower(aten.index_copy, check=_index_dim_check("index_copy_()", IndexError))
 def index_copy(self, dim, index, source):
     x, key, src = _along_dim(self, dim, index, source)
     return x.at[key].set(src).reshape(self.shape)
@@ -436,7 +471,8 @@ def index_fill(self, dim, index, value):
     return x.at[key].set(jnp.asarray(value).astype(x.dtype)).reshape(self.shape)
 
 
-@lower(aten.index_reduce, check=_index_dim_check("index_reduce()", IndexError))
+@lower(aten.index_reduce,
+       check=_index_dim_check("index_reduce()", IndexError, message="index_reduce(): index out of range in self"))
 def index_reduce(self, dim, index, source, reduce, include_self=True):
     x, key, src = _along_dim(self, dim, index, source)
     return _reduce_into(x, key, src, reduce, include_self).reshape(self.shape)
