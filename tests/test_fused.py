@@ -203,6 +203,31 @@ def test_length_cap_flushes(fused_mode, monkeypatch):
     assert x.tolist() == [25.0, 25.0]
 
 
+def test_a_loop_that_never_reads_replays_one_program(fused_mode, monkeypatch):
+    """A loop of ops that never reads the host (an evaluation loop summing on the device) is cut at
+    a whole number of iterations once it first passes the length cap, so its later traces repeat
+    one program: cut at the cap alone, each trace started at another op of the iteration (7 ops,
+    a cap of 100) and compiled anew, seven programs for this loop."""
+    monkeypatch.setattr(fused, "MAX_OPS", 100)
+    w = torch.randn(4, 4)
+    xs = [torch.randn(3, 4) for _ in range(300)]
+
+    def run(device, xs):
+        total = torch.zeros((), device=device)
+        for x in xs:
+            total += ((x @ w.to(device)).relu() * 2 - 1).abs().sum()  # 7 ops
+        return total
+
+    on_tpu = [x.to("tpu") for x in xs]
+    torch_tpu.sync()  # a host read: the loop starts a fresh run of traces
+    before = torch_tpu.metrics()["compile_count"]
+    torch.testing.assert_close(run("tpu", on_tpu[:200]).cpu(), run("cpu", xs[:200]))
+    assert torch_tpu.metrics()["compile_count"] - before <= 3  # the capped trace, the loop's, the last
+    before = torch_tpu.metrics()["compile_count"]
+    torch.testing.assert_close(run("tpu", on_tpu).cpu(), run("cpu", xs))
+    assert torch_tpu.metrics()["compile_count"] - before <= 1  # only the last, shorter trace
+
+
 def test_backward_runs_in_fused_mode(fused_mode):
     c = torch.randn(5, requires_grad=True)
     t = c.detach().to("tpu").requires_grad_()

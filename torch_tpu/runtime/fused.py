@@ -36,6 +36,11 @@ _graphs: set[int] = set()  # the compiled graphs (by id) recorded in the pending
 _templates: dict[tuple, _Template] = {}  # op sequence (programs) -> the last trace that ran with it
 residency.on_evict(_templates.clear)  # a template holds its compiled entry
 MAX_OPS = int(os.environ.get("TORCH_TPU_FUSED_MAX_OPS", "5000"))
+# The pending trace's length at which _long_trace looks at it next, and the loop period it found
+# there (0: none yet); _after_cap: the trace before it ended at the length cap or a loop's period
+_look_at = max(MAX_OPS // 5, 1)
+_period = 0
+_after_cap = False
 
 
 class Node:
@@ -177,9 +182,46 @@ def record(program: Any, inputs: tuple) -> Any:
         else:
             outs = tuple([None if a is None else Lazy(node, i, a) for i, a in enumerate(avals)])  # None: undefined
             _created.extend(outs)
-        if len(_pending) >= MAX_OPS:
-            flush(reason="length cap")
+        n = len(_pending)
+        if n >= _look_at or n >= MAX_OPS:
+            _long_trace(n)
         return outs if program.multi else outs[0]
+
+
+def _loop_period(nodes: list[Node], repeats: int, longest: int) -> int:
+    """The shortest period of the trace's tail, in ops, over which its last ``repeats`` periods
+    record the same programs in the same order (a loop that never reads the host: an evaluation
+    loop summing its correct answers on the device), periods up to ``longest``; 0 if there is none."""
+    if longest < 1:
+        return 0
+    ids = [id(n.program) for n in nodes[-repeats * longest:]]
+    n = len(ids)
+    for p in range(1, n // repeats + 1):
+        if ids[n - (repeats - 1) * p:] == ids[n - repeats * p:n - p]:
+            return p
+    return 0
+
+
+def _long_trace(n: int) -> None:
+    """The trace holds ``n`` ops and no sync came. At MAX_OPS it runs ("length cap"). A loop
+    found in it ends it at the next whole multiple of the loop's period ("loop period"): each later
+    trace of the loop then starts at the same op of an iteration and records the same sequence, so
+    it replays one program. Cut only at the cap, the traces would start at a different op each time
+    (5,000 is rarely a multiple of an iteration's length) and compile a program of 5,000 ops per
+    phase, seconds each. A loop is three repeats after such a cut, but fifty before one: a model's
+    identical layers repeat too, and a training step is kept whole up to the cap."""
+    global _look_at, _period
+    if n >= MAX_OPS:
+        flush(reason="length cap")
+    elif _period == 0:
+        _period = _loop_period(_pending, 3, n // 3) if _after_cap else _loop_period(_pending, 50, MAX_OPS // 250)
+        _look_at = n + max(MAX_OPS // 5, 1) if _period == 0 else -(-n // _period) * _period
+        if _look_at == n:
+            flush(reason="loop period")
+    else:
+        flush(reason="loop period")
+    if _pending and len(_pending) >= _look_at:  # a graph capture keeps its trace whole: look again later
+        _look_at, _period = len(_pending) + max(MAX_OPS // 5, 1), 0
 
 
 def concrete(x: Any) -> Any:
@@ -342,10 +384,14 @@ def _alive() -> list[Lazy]:
 def flush(reason: str = "sync", site: tuple[str, int] | None = None) -> None:
     """Compiles (or finds in the cache) and runs the pending trace. ``site``: the user's line that
     ended it, when not the caller's."""
+    global _look_at, _period, _after_cap
     with _lock:
         _step_ended.clear()
         if capture_hook is not None and capture_hook(reason):
             return  # a graph capture keeps its trace whole (step ends, length cap), or refuses the sync
+        # a host read ends a loop's run of cuts even with nothing pending: the next trace starts afresh
+        _look_at, _period = max(MAX_OPS // 5, 1), 0
+        _after_cap = reason in ("length cap", "loop period")
         if not _pending:
             return
         nodes = list(_pending)
@@ -540,9 +586,11 @@ capture_hook: Any = None
 def take_pending() -> tuple[list[Node], list[Lazy]]:
     """Removes the pending trace without running it: its nodes, and its placeholders that are still
     alive (held by storages or others). Graph capture compiles and binds them itself."""
+    global _look_at, _period
     with _lock:
         _step_ended.clear()
         nodes = list(_pending)
         _pending.clear()
+        _look_at, _period = max(MAX_OPS // 5, 1), 0
         _graphs.clear()
         return nodes, _alive()
