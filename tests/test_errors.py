@@ -531,3 +531,27 @@ def test_accelerates_batch_size_finder_steps_down_past_a_tpu_out_of_memory():
     # over 16 failed, the first at most 16 ran
     assert tried[0] == 64 and all(b > 16 for b in tried[:-1]) and tried[-1] <= 16
     assert result == float(tried[-1])
+
+
+_FILLS = [(torch.int64, float("inf")), (torch.int64, float("nan")), (torch.int32, 2**31), (torch.uint8, 300),
+          (torch.uint8, -1), (torch.uint8, -256), (torch.int8, 200), (torch.uint8, 2.5), (torch.float16, 1e10),
+          (torch.float16, float("inf")), (torch.bfloat16, 1e300), (torch.float32, 1e300), (torch.bool, 5)]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (5000,)])
+def test_fill_refuses_a_number_the_dtype_cannot_hold_as_cpu(shape, mode):
+    """fill_, torch.full and friends: a number the dtype cannot hold (inf into int64, 300 into
+    uint8) raises CPU's RuntimeError instead of being clamped or wrapped; numbers CPU accepts
+    (-1 into uint8 wraps, a single element skips the check) give CPU's values. Small tensors take
+    the kept-constant path, 5,000 elements the program."""
+    for dtype, value in _FILLS:
+        try:
+            expected = torch.full(shape, value, dtype=dtype)
+        except RuntimeError as e:
+            with torch_tpu.set_eager_mode(mode), pytest.raises(RuntimeError, match=re.escape(str(e))):
+                torch.empty(shape, dtype=dtype, device="tpu").fill_(value).cpu()
+            continue
+        with torch_tpu.set_eager_mode(mode):
+            got = torch.full(shape, value, dtype=dtype, device="tpu").cpu()
+        assert torch.equal(got, expected) or (got.isnan().all() and expected.isnan().all()), (dtype, value)

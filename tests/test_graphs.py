@@ -506,3 +506,32 @@ def test_empty_host_cache_once_the_device_is_used():
     x = torch.ones(3, device="tpu") * 2
     torch.accelerator.empty_host_cache()
     assert_same(x, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("make", ["clone", "full"])
+def test_a_shared_array_is_never_donated_from_under_its_other_tensors(make):
+    """A clone, or a small ``torch.full``, shares its source's (or an equal constant's) device
+    array. A captured graph that writes one of the sharers in place donates that array's buffer
+    at replay only when nothing else holds it: the other tensors keep their values, as on CPU."""
+    results = {}
+    for dev in ("cpu", "tpu"):
+        if make == "clone":
+            a = torch.arange(4.0, device=dev)
+            b = a.clone()
+        else:
+            a = torch.full((4,), 3.0, device=dev)
+            b = torch.full((4,), 3.0, device=dev)
+        x = torch.ones(4, device=dev)
+        if dev == "tpu":
+            g = torch.tpu.TPUGraph()
+            with torch.tpu.graph(g):
+                a.add_(x)
+            for _ in range(3):
+                g.replay()
+        else:
+            for _ in range(3):
+                a.add_(x)
+        c = torch.full((4,), 3.0, device=dev)  # the constant kept for full() is intact too
+        results[dev] = [t.cpu() for t in (a, b, c)]
+    for cpu, tpu in zip(results["cpu"], results["tpu"]):
+        assert torch.equal(cpu, tpu)

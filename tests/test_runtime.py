@@ -103,6 +103,35 @@ def test_op_on_uninitialised_storage_after_same_signature():
     torch.testing.assert_close(torch.empty(3, device="tpu").fill_(2.0).cpu(), torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_clones_and_small_constants_share_arrays_but_not_values(mode):
+    """A whole-tensor clone and a small torch.full (or scalar_tensor, ones) share one device array
+    with their source or an equal constant, launching nothing; in-place writes to any of them,
+    including a fused program that would donate a buffer it alone held, leave the others as on CPU."""
+    results = {}
+    for dev in ("cpu", "tpu"):
+        with torch_tpu.set_eager_mode(mode if dev == "tpu" else "strict"):
+            w = (torch.arange(6.0, device=dev) - 2.5).reshape(2, 3)
+            c = w.clone()
+            f1 = torch.full((2, 3), -float("inf"), device=dev)
+            f2 = torch.full((2, 3), -float("inf"), device=dev)
+            z = torch.full((2, 3), -0.0, device=dev)
+            m = torch.full((4,), False, device=dev)
+            s = torch.scalar_tensor(7, device=dev)
+            o = torch.ones(2, 3, dtype=torch.bfloat16, device=dev)
+            w.mul_(2)
+            f1.clamp_(min=0)
+            m[1] = True
+            o.add_(o)
+            s += 1
+            got = [t.cpu() for t in (w, c, f1, f2, z, m, s, o, torch.full((2, 3), -float("inf"), device=dev))]
+        results[dev] = got
+    for cpu, tpu in zip(results["cpu"], results["tpu"]):
+        assert cpu.dtype == tpu.dtype
+        assert torch.equal(cpu, tpu)
+        assert torch.equal(torch.signbit(cpu.float()), torch.signbit(tpu.float()))
+
+
 def test_strict_mode_records_eager_ops_between_compiled_graphs():
     # torch.compile on the model only: the loss, the backward graph and an eager AdamW step join
     # the forward graph's pending program, so each training step is one cached program.

@@ -41,7 +41,7 @@ from torch_tpu.ops._registry import (
 )
 from torch_tpu.runtime import checks, executor, fused, metrics
 from torch_tpu.runtime.errors import raise_named
-from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.runtime.executor import Program
 
 aten = torch.ops.aten
 
@@ -483,7 +483,7 @@ class _OpKernel:
                         return _view_churn.run_inplace(self, args, kwargs)
                 entry = self.cache[key] = self._build(key, args, kwargs)
             program, avals, exact = entry
-            if program.host_follows and _shape_churn.inputs_on_host(args, kwargs):
+            if program.host_follows and _shape_churn.arrays_on_host(dyn) and _shape_churn.inputs_on_host(args, kwargs):
                 return _shape_churn.run(self.op, args, kwargs, self.name)  # a host op's results in, nothing to wait for
             if lowering.random:
                 generator = kwargs.get("generator")
@@ -491,7 +491,7 @@ class _OpKernel:
                     generator = args[self.generator_at]
                 dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
             recording = executor._mode is _FUSED or executor.recording()
-            outs = fused.record(program, dyn) if recording else execute(program, *dyn)
+            outs = fused.record(program, dyn) if recording else executor.run_now(program, dyn)
             if kind == "functional":
                 if exact is True:
                     if self.single:

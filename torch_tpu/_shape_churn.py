@@ -169,6 +169,22 @@ def inputs_on_host(args: tuple, kwargs: dict) -> bool:
     return found
 
 
+def arrays_on_host(dyn: list) -> bool:
+    """A quick necessary condition for :func:`inputs_on_host`, from a call's runtime inputs: every
+    array among them is a host op's result. Most calls of a program that may follow the host have
+    an input the device computed, and this refuses them with a dict lookup per input instead of a
+    walk over the arguments' tensors and storages."""
+    copies = _storage._HOST_COPIES
+    for v in dyn:
+        t = type(v)
+        if t is int or t is float or t is bool or t is np.ndarray:  # numbers and wrapped CPU scalars
+            continue
+        kept = copies.get(id(v))
+        if kept is None or not kept[4]:
+            return False
+    return True
+
+
 def _host_value(t: torch.Tensor) -> torch.Tensor:
     """The values of tpu tensor ``t`` as a CPU tensor, compiling nothing: a read-only view of its
     host copy when it was uploaded (the host ops only read their inputs), else a copy of its whole

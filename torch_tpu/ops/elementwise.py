@@ -21,7 +21,7 @@ import torch
 from jax import lax
 
 from torch_tpu import _checks as checks
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.ops._registry import LOWERINGS, aten, kernel_from_lowerings, lower
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F32 = np.dtype(jnp.float32)
@@ -1018,9 +1018,74 @@ def sinc(self):
     return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
 
 
-@lower(aten.fill.Scalar, aten.fill.Tensor, runtime_numbers=("value",))
+def _fill_check(self, value):
+    """CPU's refusal of a number the tensor's dtype cannot hold (``fill_(inf)`` of an int64
+    tensor, 300 into uint8, 1e10 into float16: "value cannot be converted to type uint8_t without
+    overflow"); the program would clamp or wrap it silently. Numbers every dtype holds pass at
+    once; any other is converted by CPU torch itself, so its rules and words are CPU's."""
+    t = type(value)
+    if t is bool or not (t is int or t is float):
+        return
+    dt = self.dtype
+    if dt is torch.bool or dt.is_complex:
+        return
+    if t is int and -128 <= value <= 127:  # held by every dtype (uint8 takes -255..255, as CPU wraps)
+        return
+    if t is float and dt.is_floating_point and (not math.isfinite(value) or abs(value) <= 65504.0):
+        return
+    torch.empty(min(self.numel(), 2), dtype=dt).fill_(value)  # CPU skips the check for one element
+
+
+@lower(aten.fill.Scalar, aten.fill.Tensor, runtime_numbers=("value",), check=_fill_check)
 def fill(self, value):
     return jnp.broadcast_to(jnp.asarray(value).astype(self.dtype), self.shape)
+
+
+# fill_ of a whole small storage with a Python number, outside a recording: the storage takes a
+# constant array kept here by (shape, dtype, value), uploaded once. torch.full, scalar_tensor and
+# ones reach the backend as empty + fill_, and a decoding loop makes the same few constants at every
+# token (the -inf of a logits processor, an all-False mask); each was a program launched to write a
+# constant. Sharing the array is safe as in _clone_kernel (a write replaces it, donations check).
+_CONSTANTS: dict[tuple, Any] = {}
+_CONSTANTS_KEPT = 256
+_CONSTANT_ELEMENTS = 4096
+
+
+def _fill_kernel(adapt):
+    from torch_tpu import _dtypes, _kernels, _storage
+    from torch_tpu.runtime import executor, fused, metrics
+
+    lowered = adapt(aten.fill_.Scalar, LOWERINGS[aten.fill.Scalar], "inplace")
+    counts = metrics.op_counts
+    lazy = fused.Lazy
+
+    def run(self, value):
+        t = type(value)
+        if ((t is float or t is int or t is bool) and self.device.type == "tpu" and not executor.recording()
+                and self.numel() <= _CONSTANT_ELEMENTS):
+            st = self.untyped_storage()
+            v = getattr(st, "_jx", 0)
+            if (type(v) is not lazy and st._dtype is self.dtype and st._shape == self.shape
+                    and not self.storage_offset() and self.is_contiguous() and not self.is_conj()
+                    and not self.is_neg() and not self.dtype.is_complex):
+                key = (st._shape, self.dtype, t, repr(value) if t is float else value)
+                array = _CONSTANTS.get(key)
+                if array is None:
+                    # CPU's conversion of the number; one the dtype cannot hold raises CPU's error
+                    data = _dtypes.cpu_to_numpy(torch.full(st._shape, value, dtype=self.dtype))
+                    if len(_CONSTANTS) >= _CONSTANTS_KEPT:
+                        del _CONSTANTS[next(iter(_CONSTANTS))]
+                    array = _CONSTANTS[key] = _kernels.numpy_to_device(data)
+                counts["aten.fill_.Scalar"] += 1
+                _storage._replace(st, array)
+                return self
+        return lowered(self, value)
+
+    run.counts_itself = True
+    return run
+
+
+kernel_from_lowerings(aten.fill_.Scalar, _fill_kernel, "lowering (inplace), small constants kept")
 
 
 @lower(aten.zero.default)
@@ -1032,6 +1097,42 @@ def zero(self):
 def clone(self, memory_format=None):
     """jax arrays are immutable, so a copy is the same array; a later write replaces it."""
     return self
+
+
+_PLAIN_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _clone_kernel(adapt):
+    """``clone`` of a whole contiguous storage outside a recording: a new storage holding the same
+    jax array, no program launched. Sharing is safe because arrays are immutable (a write replaces
+    a storage's array) and every donation first checks that nothing else holds the array
+    (``fused._donatable``, a graph replay's reference count). A decoding loop clones its scores
+    and masks at every token; each clone was a dispatch through XLA for an identity. Views,
+    strided layouts, conjugate or negative bits, pending values and recordings take the
+    lowering."""
+    from torch_tpu._storage import new_tensor
+    from torch_tpu.runtime import executor, fused, metrics
+
+    lowered = adapt(aten.clone.default, LOWERINGS[aten.clone.default], "functional")
+    counts = metrics.op_counts
+    lazy = fused.Lazy
+
+    def run(self, memory_format=None):
+        if memory_format in _PLAIN_FORMATS and self.device.type == "tpu" and not executor.recording():
+            st = self.untyped_storage()
+            v = getattr(st, "_jx", None)
+            if (v is not None and type(v) is not lazy and st._dtype is self.dtype and st._shape == self.shape
+                    and not self.storage_offset() and self.is_contiguous() and not self.is_conj()
+                    and not self.is_neg()):
+                counts["aten.clone.default"] += 1
+                return new_tensor(st._shape, self.dtype, v)
+        return lowered(self, memory_format=memory_format)
+
+    run.counts_itself = True
+    return run
+
+
+kernel_from_lowerings(aten.clone.default, _clone_kernel, "lowering (functional), a whole array shared")
 
 
 # ---------------------------------------------------------------------------------- activations

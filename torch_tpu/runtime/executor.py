@@ -236,6 +236,21 @@ def execute(program: Program, *inputs: Any) -> Any:
     return out
 
 
+def run_now(program: Program, inputs: list) -> Any:
+    """:func:`execute` for a caller that has just found nothing recording (an op's kernel): in
+    strict mode a compiled program's executable is called directly, two Python frames fewer per
+    op, which is most of what an op costs the host beyond JAX's own dispatch (decoding loops run
+    dozens of tiny ops per token outside the compiled forward). Anything else (debug mode, a
+    profile, a first call that compiles) goes through :func:`execute`."""
+    jitted = program._jitted
+    if jitted is None or _mode is not EagerMode.STRICT or metrics.profile is not None:
+        return execute(program, *inputs)
+    try:
+        return jitted(*inputs)
+    except Exception as e:  # as execute: its own type, with the op named
+        raise_named(e, program.name)
+
+
 def synchronize() -> None:
     """Runs anything recorded, waits until every queued device computation is done, and raises
     a failed value check (an out-of-range index) found on the device meanwhile."""
