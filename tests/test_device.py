@@ -370,3 +370,48 @@ def test_device_guards_ask_python_nothing_and_answer_as_before(monkeypatch):
     assert calls == []
     assert torch.tpu.current_device() == 0 and torch.tpu.device_count() >= 1
     assert torch.tpu.current_stream().stream_id == torch.tpu.default_stream().stream_id
+
+
+_CPU_STREAM_SCRIPT = """
+import torch, torch_tpu
+
+def draws(dev, mode):
+    torch.manual_seed(7)
+    with torch_tpu.set_eager_mode(mode):
+        g = torch.Generator(device=dev).manual_seed(3)
+        out = [torch.randn(5, device=dev), torch.rand(3, 2, device=dev, dtype=torch.bfloat16),
+               torch.randint(0, 100, (6,), device=dev), torch.randperm(8, device=dev),
+               torch.empty(4, device=dev).normal_(2, 3), torch.nn.functional.dropout(torch.ones(10, device=dev), 0.5),
+               torch.bernoulli(torch.full((6,), 0.3, device=dev) * 2),
+               torch.multinomial(torch.tensor([0.1, 0.5, 0.4], device=dev), 5, replacement=True),
+               torch.randn(3, device=dev, generator=g), torch.randn(3, device=dev, generator=g)]
+        g.manual_seed(3)  # reseeded: the stream starts again, as a CPU generator's does
+        out.append(torch.randn(3, device=dev, generator=g))
+        return [t.cpu() for t in out]
+
+for mode in ("strict", "fused"):
+    print(mode, all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(draws("cpu", mode), draws("tpu", mode))))
+torch.manual_seed(0)
+cpu_then = torch.randn(2)
+torch.manual_seed(0)
+torch.randn(1, device="tpu")  # one stream: a tpu draw advances CPU's generator, as a CPU draw would
+print("shared", torch.equal(torch.randn(1), cpu_then[1:]))
+"""
+
+
+@pytest.mark.parametrize("source", ["device", "cpu"])
+def test_torch_tpu_random_cpu_draws_cpus_numbers(source):
+    """``TORCH_TPU_RANDOM=cpu`` (read at import, hence a fresh process): eager random ops draw from
+    CPU's generator with CPU's kernels, so a seed gives the very numbers CPU gives, in strict and
+    fused mode, for explicit generators too. By default tpu draws its own stream (same
+    distributions, other numbers)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_TPU_CACHE_DIR": "off", "TORCH_TPU_PLATFORM": "cpu", "TORCH_TPU_RANDOM": source}
+    out = subprocess.run([sys.executable, "-c", _CPU_STREAM_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    same = "True" if source == "cpu" else "False"
+    assert out.stdout.split() == ["strict", same, "fused", same, "shared", same], out.stdout

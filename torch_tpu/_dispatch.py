@@ -845,7 +845,10 @@ def register_lowerings() -> int:
                 continue
             if target is not op and target in LOWERINGS:
                 continue  # a twin with a lowering of its own
-            register_kernel(target, lowering_kernel(target, lowering, k), f"lowering ({k})")
+            fn = lowering_kernel(target, lowering, k)
+            if lowering.random and _rng.SOURCE == "cpu":
+                fn = _rng.cpu_stream_kernel(target, fn)
+            register_kernel(target, fn, f"lowering ({k})")
             n += 1
     return n
 

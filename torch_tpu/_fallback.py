@@ -78,6 +78,12 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"tpu: {name} has no lowering; it runs on CPU (counted in torch_tpu.metrics())", stacklevel=3)
+    return run_on_cpu(op, args, kwargs)
+
+
+def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``op`` by CPU torch on CPU copies of its tpu inputs: results uploaded, arguments written in
+    place written back. The CPU fallback's work, and ``TORCH_TPU_RANDOM=cpu``'s (``_rng``)."""
     flat, spec = tree_flatten((args, kwargs))
     cargs, ckwargs = tree_unflatten([_to_cpu_arg(a) for a in flat], spec)
     if "device" in ckwargs and ckwargs["device"] is not None and torch.device(ckwargs["device"]).type == "tpu":

@@ -10,12 +10,27 @@ same seed, as a CUDA generator does.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import torch
+
+
+def _source_from_env() -> str:
+    name = os.environ.get("TORCH_TPU_RANDOM", "device").lower()
+    if name not in ("device", "cpu"):
+        raise ValueError(f"TORCH_TPU_RANDOM={name!r}: expected device or cpu")
+    return name
+
+
+# ``TORCH_TPU_RANDOM=cpu``: eager random ops draw from CPU's generator, by CPU's kernels, so a
+# seed gives on tpu exactly the numbers it gives on CPU (see cpu_stream_kernel); read at import
+SOURCE = _source_from_env()
 
 _lock = threading.Lock()
 _seed = 0
@@ -104,3 +119,58 @@ def set_state(state: torch.Tensor) -> None:
         raise RuntimeError(f"torch.tpu.set_rng_state: expected a uint8 tensor of 24 bytes, got {state.numel()}")
     with _lock:
         _seed, _counter, _initial_seed = (int(x) for x in arr)
+
+
+def cpu_stream_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:
+    """The kernel of random op ``op`` under ``TORCH_TPU_RANDOM=cpu``: CPU torch's kernel on CPU copies
+    of the inputs, drawing from CPU's default generator (a tpu generator's op draws from a CPU
+    generator seeded from it), its results uploaded. So after ``torch.manual_seed(s)`` a script
+    draws on tpu the very numbers it draws on CPU (dropout masks, initialisations, sampled
+    tokens), and the two runs can be compared number for number when porting. Each draw is a
+    host op and a transfer, and a sync where it reads device values (``bernoulli`` of a computed
+    probability): for comparing, not for speed. Graphs keep the device's stream: a graph capture
+    records the device kernel, and ``torch.compile`` graphs lower their random ops as always."""
+    from torch_tpu import _fallback, _storage
+    from torch_tpu.runtime import executor, metrics
+
+    name = str(op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _storage._capture is not None:
+            return device_kernel(*args, **kwargs)
+        metrics.op_counts[name] += 1
+        args = tuple(_shadow(a) if type(a) is torch.Generator else a for a in args)  # poisson's is positional
+        if type(kwargs.get("generator")) is torch.Generator:
+            kwargs = {**kwargs, "generator": _shadow(kwargs["generator"])}
+        with executor.eager_section():
+            return _fallback.run_on_cpu(op, args, kwargs)
+
+    run.counts_itself = True
+    return run
+
+
+# (seed, offset) of a tpu generator -> the CPU generator that draws its next numbers. Keyed by the
+# generator's state, not the object: torch hands a kernel a new Python wrapper of the generator at
+# each call. Two tpu generators with the same seed and the same number of draws share the entry.
+_streams: dict[tuple[int, int], torch.Generator] = {}
+_STREAMS_KEPT = 64
+
+
+def _shadow(generator: torch.Generator) -> torch.Generator:
+    """Under ``TORCH_TPU_RANDOM=cpu``, the CPU generator that draws for tpu ``generator``: seeded
+    with its seed, so ``torch.Generator("tpu").manual_seed(s)`` gives CPU's numbers for ``s``, and
+    carried on from draw to draw; a tpu generator reseeded (offset 0 again) starts afresh, as a
+    CPU generator does. Each draw advances the tpu generator's offset by one."""
+    if generator.device.type != "tpu":
+        return generator
+    seed_now, offset = generator.initial_seed(), generator.get_offset()
+    cpu = _streams.pop((seed_now, offset), None)
+    if cpu is None:
+        cpu = torch.Generator().manual_seed(seed_now)
+        if offset:  # drawn before this mode saw it (a state set by hand): a stream of its own
+            cpu.manual_seed((seed_now << 32 | offset) & 0xFFFF_FFFF_FFFF_FFFF)
+    generator.set_offset(offset + 1)
+    if len(_streams) >= _STREAMS_KEPT:
+        del _streams[next(iter(_streams))]
+    _streams[(seed_now, offset + 1)] = cpu
+    return cpu
