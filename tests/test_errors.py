@@ -535,7 +535,9 @@ def test_accelerates_batch_size_finder_steps_down_past_a_tpu_out_of_memory():
 
 _FILLS = [(torch.int64, float("inf")), (torch.int64, float("nan")), (torch.int32, 2**31), (torch.uint8, 300),
           (torch.uint8, -1), (torch.uint8, -256), (torch.int8, 200), (torch.uint8, 2.5), (torch.float16, 1e10),
-          (torch.float16, float("inf")), (torch.bfloat16, 1e300), (torch.float32, 1e300), (torch.bool, 5)]
+          (torch.float16, float("inf")), (torch.bfloat16, 1e300), (torch.float32, 1e300), (torch.bool, 5),
+          (torch.float32, 1 + 1j), (torch.float64, 2j), (torch.int64, 2 + 0j), (torch.bool, 1j),
+          (torch.complex64, 1 + 1j)]
 
 
 @pytest.mark.parametrize("mode", ["strict", "fused"])
@@ -555,3 +557,38 @@ def test_fill_refuses_a_number_the_dtype_cannot_hold_as_cpu(shape, mode):
         with torch_tpu.set_eager_mode(mode):
             got = torch.full(shape, value, dtype=dtype, device="tpu").cpu()
         assert torch.equal(got, expected) or (got.isnan().all() and expected.isnan().all()), (dtype, value)
+
+
+_INDEX_FILLS = {
+    "complex number into float": lambda x, i, d: x.index_fill_(1, i, 1 + 1j),
+    "complex number, functional": lambda x, i, d: x.index_fill(1, i, 2j),
+    "complex 0-d tensor": lambda x, i, d: x.index_fill_(1, i, torch.tensor(1 + 1j, device=d)),
+    "1-d value tensor": lambda x, i, d: x.index_fill_(1, i, torch.ones(1, device=d)),
+    "int32 index": lambda x, i, d: x.index_fill_(1, i.int(), 1.0),
+    "float index": lambda x, i, d: x.index_fill_(1, i.float(), 1.0),
+    "2-d index": lambda x, i, d: x.index_fill_(1, i.view(1, 1), 1.0),
+    "out of range, complex number": lambda x, i, d: x.index_fill_(1, i + 5, 1 + 1j),
+    "out of range": lambda x, i, d: x.index_fill_(1, i + 5, 1.0),
+    "complex number into complex": lambda x, i, d: x.to(torch.complex64).index_fill_(1, i, 1 + 1j),
+    "into a 0-d tensor": lambda x, i, d: x[0, 0].index_fill(0, i, -1.0),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("name", sorted(_INDEX_FILLS))
+def test_index_fill_refuses_as_cpu(name, mode):
+    """index_fill's own refusals, in CPU's order and words: a value tensor that is not 0-dim, an
+    index that is not int64 (IndexError, not JAX's TypeError) or not a vector, a complex value for a
+    real tensor (the program cast it, dropping the imaginary part), then the bounds."""
+    f = _INDEX_FILLS[name]
+    x = torch.arange(6.0).view(2, 3)
+    i = torch.tensor([0])
+    try:
+        expected = f(x.clone(), i, "cpu")
+    except Exception as e:  # noqa: BLE001 - whatever CPU raises, tpu raises the same
+        with torch_tpu.set_eager_mode(mode), pytest.raises(type(e), match=re.escape(str(e))):
+            f(x.to("tpu"), i.to("tpu"), "tpu").cpu()
+        return
+    with torch_tpu.set_eager_mode(mode):
+        got = f(x.to("tpu"), i.to("tpu"), "tpu").cpu()
+    assert torch.equal(got, expected)

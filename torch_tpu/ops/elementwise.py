@@ -1021,12 +1021,17 @@ def sinc(self):
 def _fill_check(self, value):
     """CPU's refusal of a number the tensor's dtype cannot hold (``fill_(inf)`` of an int64
     tensor, 300 into uint8, 1e10 into float16: "value cannot be converted to type uint8_t without
-    overflow"); the program would clamp or wrap it silently. Numbers every dtype holds pass at
-    once; any other is converted by CPU torch itself, so its rules and words are CPU's."""
+    overflow"), or a complex number for a float tensor, whose imaginary part the program would drop
+    silently. Numbers every dtype holds pass at once; any other is converted by CPU torch itself,
+    so its rules and words are CPU's."""
     t = type(value)
+    dt = self.dtype
+    if t is complex:  # CPU refuses one with an imaginary part for a float tensor, not for others
+        if not dt.is_complex:
+            torch.empty(min(self.numel(), 2), dtype=dt).fill_(value)
+        return
     if t is bool or not (t is int or t is float):
         return
-    dt = self.dtype
     if dt is torch.bool or dt.is_complex:
         return
     if t is int and -128 <= value <= 127:  # held by every dtype (uint8 takes -255..255, as CPU wraps)

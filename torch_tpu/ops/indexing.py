@@ -46,19 +46,21 @@ def check_bounds(
     message: str | None = None,
 ) -> None:
     """Raises ``exc`` unless every value of ``index`` addresses one of ``size`` entries. Its message
-    names the op (``op``), the index, the dim and the size, in CPU's words; or is ``message``.
+    names the op (``op``, unless empty), the index, the dim and the size, in CPU's words; or is
+    ``message``.
 
     ``negative``: indices in [-size, 0) are allowed (they count from the end), as in ``t[idx]``.
     """
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         return  # the meta kernel raises CPU's dtype error
     lo_ok = -size if negative else 0
+    prefix = f"{op}: " if op else ""  # CPU's message names some ops, not others (index_fill)
     if message is not None:
         error = lambda v: exc(message)
     elif size == 0:  # CPU's message names no index and no dim then
-        error = lambda v: exc(f"{op}: index is out of bounds for dimension with size 0")
+        error = lambda v: exc(f"{prefix}index is out of bounds for dimension with size 0")
     else:
-        error = lambda v: exc(f"{op}: index {v} is out of bounds for dimension {dim} with size {size}")
+        error = lambda v: exc(f"{prefix}index {v} is out of bounds for dimension {dim} with size {size}")
     if is_tpu(index):
         checks.check_values(index, checks.outside, (lo_ok, size), error)
         return
@@ -465,7 +467,28 @@ def index_copy(self, dim, index, source):
     return x.at[key].set(src).reshape(self.shape)
 
 
-@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, check=_index_dim_check("index_fill()", IndexError, True))
+_index_fill_bounds = _index_dim_check("", IndexError, True)
+
+
+def _check_index_fill(self, dim, index, value):
+    """CPU's refusals of ``index_fill``, in its order and words: a value tensor that is not 0-dim,
+    an index that is not int64 (IndexError; JAX would take int32 and refuse floats with a
+    TypeError) or not a vector, a complex value for a real tensor (which the program would cast,
+    dropping the imaginary part), then the index's bounds."""
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise RuntimeError("index_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                           f"{value.dim()} dimension(s).")
+    if index.dtype != torch.int64:
+        raise IndexError("index_fill_(): Expected dtype int64 for index.")
+    if index.dim() > 1:
+        raise RuntimeError("Index has to be a vector/scalar")
+    complex_value = value.dtype.is_complex if isinstance(value, torch.Tensor) else isinstance(value, complex)
+    if complex_value and not self.dtype.is_complex:
+        raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
+    _index_fill_bounds(self, dim, index)
+
+
+@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, check=_check_index_fill)
 def index_fill(self, dim, index, value):
     x, key, _ = _along_dim(self, dim, index, 0)
     return x.at[key].set(jnp.asarray(value).astype(x.dtype)).reshape(self.shape)
