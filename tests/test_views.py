@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, like_cpu
+
+import torch_tpu
 
 
 def pair(*shape):
@@ -366,3 +368,90 @@ def test_a_host_mask_write_is_a_select_compiled_once_per_shape():
     c[full] = torch.tensor([3.5])
     t[full] = torch.tensor([3.5], device="tpu")
     assert_same(t, c)
+
+
+def _writes_through_bit_views(x: torch.Tensor, z: torch.Tensor) -> dict:
+    """Writes through negative and conjugate views, then what the bases and views hold."""
+    dev = x.device
+    got = {}
+    v = x._neg_view()
+    got["neg flag"] = torch.tensor([v.is_neg(), v[0].is_neg(), v.clone().is_neg()])
+    v[1].copy_(torch.tensor([9.0, 8.0, 7.0, 6.0]).to(dev))
+    v[:, 2].fill_(5.0)
+    v.mul_(2)
+    v.t()[0].add_(torch.ones(3, device=dev))
+    got["x"] = x.clone()
+    got["neg view read"] = v + 0
+    got["neg view sum"] = v.sum()
+    c = z.conj()
+    got["conj flag"] = torch.tensor([c.is_conj(), c.clone().is_conj(), c.resolve_conj().is_conj()])
+    c[0].copy_(torch.tensor([1 + 1j, 2 + 2j, 3 - 3j]).to(dev))
+    c.add_(1j)
+    got["z after conj writes"] = z.clone()
+    imag = z.conj().imag  # a negative view of the imaginary parts
+    got["imag flag"] = torch.tensor([imag.is_neg()])
+    got["imag read"] = imag.clone()
+    imag[1].copy_(torch.tensor([4.0, 5.0, 6.0]).to(dev))
+    got["z after imag write"] = z.clone()
+    into = torch.zeros(2, 3, dtype=torch.complex64, device=dev)
+    into.copy_(c)
+    got["copy of a conj view"] = into
+    return got
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_writes_through_negative_and_conjugate_views_reach_the_base_like_cpu(mode):
+    """``x._neg_view()``, ``z.conj()`` and ``z.conj().imag`` are views with a bit: a write through
+    one reaches the base (it was lost, a silent wrong answer), reads see the negated or conjugated
+    values, and a clone holds the values without the bit, as on CPU."""
+    x = torch.arange(12.0).reshape(3, 4)
+    z = torch.complex(torch.randn(2, 3), torch.randn(2, 3))
+    with torch_tpu.set_eager_mode(mode):
+        got = _writes_through_bit_views(x.to("tpu"), z.to("tpu"))
+        got = {k: v.cpu() for k, v in got.items()}
+    want = _writes_through_bit_views(x, z)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=k)
+
+
+_CONJ_PRODUCTS = {
+    "mm": lambda a, b, c: torch.mm(a.conj(), b),
+    "mm of a conj transpose": lambda a, b, c: a.mH @ b,
+    "matmul right": lambda a, b, c: a @ b.conj(),
+    "addmm": lambda a, b, c: torch.addmm(c.conj(), a.conj(), b.conj()),
+    "addmm_ into a conj view": lambda a, b, c: c.conj().addmm_(a, b) + c,
+    "bmm": lambda a, b, c: torch.bmm(a.conj()[None], b[None]),
+    "baddbmm": lambda a, b, c: torch.baddbmm(c[None], a[None], b.conj()[None]),
+    "dot": lambda a, b, c: torch.dot(a[0].conj(), b[:, 0]),
+    "vdot": lambda a, b, c: torch.vdot(a[0], b[:, 0].conj()),
+    "solve_triangular": lambda a, b, c: torch.linalg.solve_triangular(
+        (a.triu() + 4 * torch.eye(3, device=a.device)).conj(), b.conj(), upper=True),
+    "conj of a neg imag": lambda a, b, c: a.conj().imag * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(_CONJ_PRODUCTS))
+def test_matrix_products_read_conjugate_views_like_cpu(name):
+    """torch hands matrix products a conjugate view unresolved (CPU's BLAS reads it conjugated):
+    our lowerings see the conjugated values, and an in-place product writes under the bit."""
+    f = _CONJ_PRODUCTS[name]
+    a, b, c = (torch.complex(torch.randn(3, 3), torch.randn(3, 3)) for _ in range(3))
+    like_cpu(f, a, b, c)
+
+
+def test_gradients_through_a_conjugate_product_like_cpu():
+    a = torch.complex(torch.randn(3, 3), torch.randn(3, 3))
+    grads = []
+    for dev in ("cpu", "tpu"):
+        leaf = a.to(dev, copy=True).requires_grad_()
+        (leaf @ leaf.conj().T).abs().sum().backward()
+        grads.append(leaf.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_copy_from_tpu_into_a_cpu_negative_view_like_cpu():
+    src = torch.arange(4.0)
+    want, got = torch.zeros(4), torch.zeros(4)
+    want._neg_view().copy_(src)
+    got._neg_view().copy_(src.to("tpu"))
+    torch.testing.assert_close(got, want)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes, _int_churn, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
+from torch_tpu import _dtypes, _int_churn, _math_bits, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -734,6 +734,7 @@ def register_kernel(op: torch._ops.OpOverload, fn: Callable, how: str) -> None:
     every served op is counted, whatever serves it."""
     if not getattr(fn, "counts_itself", False):
         fn = _counting(str(op), fn)
+    fn = _math_bits.honouring(op, fn)
     namespace, name = op.name().split("::", 1)  # "aten", "add.Tensor"
     lib = _libs.get(namespace)
     if lib is None:

@@ -157,6 +157,31 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+_COMPOSITE_COPY = torch.library.get_kernel(aten.copy_.default, "CPU")  # torch's own: CPU's checks, then _copy_from
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+@kernel(aten.copy_.default, fusable=True)
+def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """torch's own ``copy_``, except into a negative or conjugate view (``x._neg_view()``,
+    ``z.conj()``). torch's fallback for those bits passes ``copy_`` through but not the
+    ``_copy_from`` it calls, which would then write into a resolved clone: the write was lost.
+    Here the source's values are made (torch's checks and casts), given the destination's bits and
+    written to its storage, as CPU's copy does when the bits differ."""
+    if not (self.is_neg() or self.is_conj()):
+        return _COMPOSITE_COPY.call_boxed(_CPU_KEYS, self, src, non_blocking)
+    if not is_tpu(self):  # a CPU view with a bit, from a tpu source: CPU's copy honours the bit
+        return self.copy_(src.to("cpu"))
+    value = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    _COMPOSITE_COPY.call_boxed(_CPU_KEYS, value, src, non_blocking)  # the fallback resolves src's bits
+    if self.is_neg():
+        value.neg_()
+    if self.is_conj():
+        value.conj_physical_()
+    write(self, read(value))
+    return self
+
+
 def _check_copy_broadcast(dst: tuple[int, ...], src: tuple[int, ...]) -> None:
     """``copy_``'s shape rule in CPU's words: ``src`` must broadcast to ``dst``'s shape."""
     nd = max(len(dst), len(src))

@@ -1113,8 +1113,8 @@ def _clone_kernel(adapt):
     a storage's array) and every donation first checks that nothing else holds the array
     (``fused._donatable``, a graph replay's reference count). A decoding loop clones its scores
     and masks at every token; each clone was a dispatch through XLA for an identity. Views,
-    strided layouts, conjugate or negative bits, pending values and recordings take the
-    lowering."""
+    strided layouts, conjugate or negative bits (applied to the copy), pending values and
+    recordings take the lowering."""
     from torch_tpu._storage import new_tensor
     from torch_tpu.runtime import executor, fused, metrics
 
@@ -1131,7 +1131,12 @@ def _clone_kernel(adapt):
                     and not self.is_neg()):
                 counts["aten.clone.default"] += 1
                 return new_tensor(st._shape, self.dtype, v)
-        return lowered(self, memory_format=memory_format)
+        out = lowered(self, memory_format=memory_format)
+        if self.is_neg():  # a negative or conjugate view (clone passes through torch's fallbacks
+            out.neg_()     # for those bits): the clone holds the values, without the bit, as on CPU
+        if self.is_conj():
+            out.conj_physical_()
+        return out
 
     run.counts_itself = True
     return run

@@ -24,7 +24,7 @@ from jax import lax
 
 from torch_tpu import _dtypes, _out_dtypes
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
-from torch_tpu._storage import is_tpu, new_tensor, read, set_base, write
+from torch_tpu._storage import is_tpu, read, set_base, write
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
 
@@ -110,31 +110,11 @@ def _copy_program(name: str, fn, shape: tuple, dtype: torch.dtype, out_shape: tu
 _PROGRAMS: dict[tuple, Program] = {}
 
 
-def _copying_view(op: torch._ops.OpOverload, fn) -> None:
-    """Registers a kernel for view op ``op`` that returns ``fn`` of the input as a fresh tensor.
-
-    torch's meta kernel still runs first, so shapes, dtypes and errors are CPU's.
-    """
-    name = str(op)
-
-    def run(self: torch.Tensor) -> torch.Tensor:
-        meta = meta_outputs(op, (self,), {})[0]
-        shape, dtype = tuple(meta.shape), meta.dtype
-        prog = _copy_program(name, fn, tuple(self.shape), self.dtype, shape, dtype)
-        return new_tensor(shape, dtype, execute(prog, read(self)))
-
-    kernel(op)(run)
-
-
-# view_as_real / view_as_complex are true views: _storage reads and writes through them.
-# A conjugate (or negative) view would set a bit on the tensor that every kernel would have to
-# honour; materialising it keeps the bits off tpu tensors, so every lowering sees plain values.
-_copying_view(aten._conj.default, jnp.conj)
-_copying_view(aten._neg_view.default, jnp.negative)
-lower(aten._neg_view.default, graph_only=True)(jnp.negative)  # a graph's values have no views
-
-
-# In a graph these are plain functions (eager mode's kernels above make fresh tensors of them).
+# ``_conj`` and ``_neg_view`` are torch's own (an alias with the conjugate or negative bit set):
+# true views, so a write through one reaches its base. PyTorch's Conjugate and Negative fallbacks
+# hand every other op a resolved clone; ``copy_`` and ``clone``, which they pass through, honour the
+# bits (torch_tpu._kernels.copy_, elementwise's clone). In a graph, values have no views:
+lower(aten._neg_view.default, graph_only=True)(jnp.negative)
 lower(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default, graph_only=True)(jnp.conj)
 
 
