@@ -56,7 +56,6 @@ COMPILED_XFAIL = {
                                 "_native_batch_norm_legit_no_training, which is right",
     "as_strided.partial_views": "the CPU input is a view at an offset; .to('tpu') copies it to offset 0 (eager too)",
     "tensor_split": "the harness moves tensor_indices_or_sections to tpu; torch wants it on the CPU (eager too)",
-    "chalf": "complex32 is not a tpu dtype",
     "sparse.sampled_addmm": "sparse CSR tensors are not supported on tpu",
     "sparse.mm.reduce": "sparse CSR tensors are not supported on tpu",
 }

@@ -377,3 +377,44 @@ def test_dropout_backward_of_an_integer_gradient_is_float_like_cpu(dtype):
     g = torch.tensor([1, 1, 0, 3]).to(dtype)
     mask = torch.tensor([True, False, True, True])
     like_cpu(lambda g, m: torch.ops.aten.native_dropout_backward(g, m, 2.0), g, mask)
+
+
+def _complex32_story(device: str) -> dict:
+    """complex32 through casts, copies, views of its bits and parts, indexing, item and arithmetic."""
+    torch.manual_seed(5)
+    src = torch.randn(6, dtype=torch.complex64)
+    got = {}
+    h = src.to(device).to(torch.complex32)
+    got["cast"] = h
+    got["item"] = torch.tensor(complex(h[2].item()))
+    parts = torch.view_as_real(h)
+    got["parts"] = parts
+    parts[0, 0] = 7.0  # a write through the float16 view reaches the complex32 tensor
+    got["after a write through the parts"] = h
+    got["bits"] = h.view(torch.int32)
+    got["halves"] = h.view(torch.float16)
+    into = torch.zeros(6, dtype=torch.complex32, device=device)
+    into.copy_(torch.arange(6.0).to(device) / 3)  # float32 values, rounded to float16 parts
+    got["copy into"] = into
+    back = torch.zeros(6, dtype=torch.complex64, device=device)
+    back.copy_(h)
+    got["copy out"] = back
+    got["cat"] = torch.cat([h, into])
+    got["gather"] = h[torch.tensor([4, 1]).to(device)]
+    got["sum of two"] = h + into  # computed in complex64, rounded as complex32 holds it
+    got["from parts"] = torch.view_as_complex(torch.ones(3, 2, dtype=torch.float16, device=device) / 3)
+    got["to float"] = torch.view_as_real(h).float()
+    return got
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_holds_cpu_values():
+    """complex32, which XLA lacks, is held as complex64 with each part rounded to float16 whenever
+    it is made: the same values and bits as a CPU complex32 tensor (it raised TypeError)."""
+    want = _complex32_story("cpu")
+    got = _complex32_story("tpu")
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        g = got[k].cpu()
+        assert torch.equal(torch.view_as_real(g) if v.is_complex() else g,
+                           torch.view_as_real(v) if v.is_complex() else v), k

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes, _int_churn, _math_bits, _out_dtypes, _rng, _shape_churn, _storage, _view_churn
+from torch_tpu import _dtypes, _int_churn, _math_bits, _out_dtypes, _overlap, _rng, _shape_churn, _storage, _view_churn
 from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 from torch_tpu.ops._registry import (
@@ -259,6 +259,12 @@ class _OpKernel:
         self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
         self.single = len(schema.returns) == 1 and not self.returns_list
         self.checks_overlap = kind != "functional" and _checks_overlap(op)
+        # per call, what the written tensor may share with the inputs: an indexed write's check, or
+        # the positions of an elementwise op's inputs (checked inline)
+        rule = _overlap.rule(op, kind)
+        self.overlap = rule if callable(rule) else None
+        self.overlap_at = rule if type(rule) is tuple else ()
+        self.out_name = self.out_names[0] if self.out_names else None
         # signature -> (program, per result (shape, dtype) or None when undefined, True when every
         # result is defined, contiguous and of the meta kernel's shape, a list of per-result layouts
         # (``_layout``) when some are strided, else False)
@@ -321,12 +327,16 @@ class _OpKernel:
                            key=tuple(zip([a.name for a in self.op._schema.arguments if not a.kwarg_only], pos_spec))
                            + tuple(kw_spec)), avals, exact
 
+        half_complex = {i for i, a in enumerate(avals) if a is not None and a[1] is torch.complex32}
+
         def program(*inputs):
             it = iter(inputs)
             key = _rng.key_from(next(it), next(it)) if random else None
             pargs = [_rebuild(s, it) for s in pos_spec]
             pkw = {k: _rebuild(s, it) for k, s in zip(kw_names, (s for _, s in kw_spec))}
             res = lowering.apply(key, pargs, pkw, outs, name)
+            if half_complex:  # complex32 results, rounded as a complex32 holds them (_dtypes)
+                res = [_dtypes.round_complex32(r) if i in half_complex else r for i, r in enumerate(res)]
             if perms is not None:
                 return tuple(r if p is None else jnp.transpose(r, p) for r, p in zip(res, perms) if r is not None)
             return tuple(r for r in res if r is not None)
@@ -449,6 +459,17 @@ class _OpKernel:
                     self._shape_refusal_first(args, kwargs)
                 raise
         try:
+            if self.overlap_at:
+                out = args[0] if self.kind == "inplace" else kwargs.get(self.out_name)
+                for i in self.overlap_at:
+                    # a Python number stays one here (_is_alias_of would make it a tensor)
+                    if i < len(args) and isinstance(args[i], torch.Tensor) and _is_alias_of(out, args[i]):
+                        _refuse_partial(self, out, args[i])
+            elif self.overlap is not None:
+                try:
+                    self.overlap(args, kwargs)
+                except RuntimeError as e:
+                    raise_named(e, self.name)
             dyn: list = []
             name = self.name
             kind = self.kind
@@ -536,6 +557,16 @@ class _OpKernel:
             raise
 
 
+_is_alias_of = _overlap.alias_of
+
+
+def _refuse_partial(kernel: _OpKernel, out: torch.Tensor, inp: torch.Tensor) -> None:
+    try:
+        _overlap.refuse_partial(out, inp)
+    except RuntimeError as e:
+        raise_named(e, kernel.name)
+
+
 def _write_result(t: torch.Tensor, value: Any, k: Any, exact: Any) -> None:
     """An in-place op's result into its tensor ``t``, whose signature in the call was ``k``. A
     plain (shape, dtype) tuple is :func:`_key_of`'s for a whole contiguous storage of the tensor's
@@ -563,8 +594,7 @@ _ALSO_OVERLAP_CHECKED = frozenset((
     "selu", "rrelu_with_noise", "leaky_relu", "gelu", "silu", "addmm", "mm", "addmv", "addr",
     "scatter", "scatter_add", "copy",
 ))
-_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single "
-                    "memory location. Please clone() the tensor before performing the operation.")
+_OVERLAP_MESSAGE = _overlap.INTERNAL
 
 
 def _checks_overlap(op: torch._ops.OpOverload) -> bool:

@@ -29,6 +29,10 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
     torch.complex128: np.dtype(jnp.complex128),
 }
 JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
+# complex32 has no XLA type: a tpu complex32 tensor holds complex64 values, each part rounded to
+# float16 whenever an op or a copy makes it (round_complex32), so it holds exactly the values a
+# CPU complex32 tensor would; host copies convert through CPU's complex32.
+TORCH_TO_JAX[torch.complex32] = np.dtype(jnp.complex64)
 
 
 # c10's names of the scalar types, which CPU's error messages use ("expected scalar type Long")
@@ -36,7 +40,16 @@ SCALAR_NAMES = {
     torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
     torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
     torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.complex32: "ComplexHalf",
 }
+
+
+def round_complex32(x):
+    """Inside a program: complex64 values as a complex32 holds them (each part rounded to float16)."""
+    from jax import lax
+
+    return lax.complex(jnp.real(x).astype(jnp.float16).astype(jnp.float32),
+                       jnp.imag(x).astype(jnp.float16).astype(jnp.float32))
 
 
 def to_jax(dtype: torch.dtype) -> np.dtype:
@@ -59,6 +72,8 @@ def cpu_to_numpy(t: torch.Tensor) -> np.ndarray:
         to_jax(t.dtype)  # the dtype named, where numpy says "Got unsupported ScalarType ComplexHalf"
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.complex32:  # numpy has no complex32: its values, exactly, as complex64
+        return t.to(torch.complex64).resolve_conj().numpy()
     return t.resolve_conj().resolve_neg().numpy()
 
 
@@ -67,6 +82,8 @@ def numpy_to_cpu(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     a = np.asarray(a, order="C")  # np.ascontiguousarray would make a 0-d array 1-d
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    if dtype == torch.complex32:
+        return torch.from_numpy(a.astype(np.complex64)).to(torch.complex32)
     if not a.flags.writeable:
         a = a.copy()
     return torch.from_numpy(a)

@@ -138,6 +138,35 @@ def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None
             raise device_mismatch(str(op), a.device)
 
 
+@functools.cache
+def _overlap_rule(op: torch._ops.OpOverload) -> Any:
+    """The overlap check of an in-place or out= op (``torch_tpu._overlap``), or None."""
+    from torch_tpu import _overlap
+
+    schema = op._schema
+    if not schema.is_mutable:
+        return None
+    if any(a.kwarg_only and a.alias_info and a.alias_info.is_write for a in schema.arguments):
+        return _overlap.rule(op, "out")
+    first = schema.arguments[0] if schema.arguments else None
+    if first is not None and first.alias_info is not None and first.alias_info.is_write:
+        return _overlap.rule(op, "inplace")
+    return None
+
+
+def _overlap_partial(op: torch._ops.OpOverload, args: tuple, kwargs: dict, at: tuple) -> None:
+    from torch_tpu import _overlap
+
+    schema = op._schema
+    out_name = next((a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write),
+                    None)
+    out = kwargs.get(out_name) if out_name is not None else args[0]
+    try:
+        _overlap.refuse_partial_at(out, args, at)
+    except RuntimeError as e:
+        raise RuntimeError(f"{op}: {e}") from None
+
+
 def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     """The catch-all PrivateUse1 kernel for every op without a registered one."""
     _check_devices(op, args, kwargs)
@@ -146,6 +175,12 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         from torch_tpu._kernels import view_dispatch_key
 
         return op._op_dk(view_dispatch_key(op), *args, **kwargs)
+    overlap = _overlap_rule(op)
+    if overlap is not None:  # CPU's refusal of an in-place write over its own input comes first
+        if callable(overlap):
+            overlap(args, kwargs)
+        else:
+            _overlap_partial(op, args, kwargs, overlap)
     decomp = _decompositions().get(op)
     active = getattr(_guard, "active", None)
     if active is None:

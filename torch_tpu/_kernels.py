@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _checks, _device, _dtypes, _shape_churn
+from torch_tpu import _checks, _device, _dtypes, _overlap, _shape_churn
 from torch_tpu._meta import device_mismatch
 from torch_tpu._storage import (
     contiguous_strides,
@@ -168,6 +168,11 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     ``_copy_from`` it calls, which would then write into a resolved clone: the write was lost.
     Here the source's values are made (torch's checks and casts), given the destination's bits and
     written to its storage, as CPU's copy does when the bits differ."""
+    if is_tpu(self) and self is not src:  # CPU's TensorIterator checks, which torch's copy_ skips for us
+        if _overlap.internal(self):
+            raise RuntimeError(f"aten.copy_: {_overlap.INTERNAL}")
+        if _overlap.status(self, src) == "partial":
+            raise RuntimeError(f"aten.copy_: {_overlap.INPUT}")
     if not (self.is_neg() or self.is_conj()):
         return _COMPOSITE_COPY.call_boxed(_CPU_KEYS, self, src, non_blocking)
     if not is_tpu(self):  # a CPU view with a bit, from a tpu source: CPU's copy honours the bit

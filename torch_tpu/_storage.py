@@ -422,38 +422,59 @@ def _alias_geometry(base_shape, base_dtype, view_dtype):
     """How a view with another element type sees a storage: (its base shape in view elements, its
     jax dtype, base -> view-typed base, view-typed base -> base). Only the complex/real pairs that
     view_as_real and view_as_complex make."""
+    # (a complex32's parts are float16, held as float32 in its complex64 array: _dtypes)
     if base_dtype.is_complex and view_dtype == base_dtype.to_real():
+        part = _dtypes.to_jax(view_dtype)
+        wide = jnp.float16 if part == jnp.float16 else None
         return (
-            tuple(base_shape) + (2,), _dtypes.to_jax(view_dtype),
-            lambda b: jnp.stack([jnp.real(b), jnp.imag(b)], axis=-1),
-            lambda v: lax.complex(v[..., 0], v[..., 1]),
+            tuple(base_shape) + (2,), part,
+            lambda b: jnp.stack([jnp.real(b), jnp.imag(b)], axis=-1).astype(part),
+            lambda v: lax.complex(*(v[..., i] if wide is None else v[..., i].astype(jnp.float32) for i in (0, 1))),
         )
     if view_dtype.is_complex and base_dtype == view_dtype.to_real():
         n = math.prod(base_shape)
+        part = _dtypes.to_jax(base_dtype)
+        work = jnp.float32 if part == jnp.float16 else part
         return (
             (n // 2,), _dtypes.to_jax(view_dtype),
-            lambda b: lax.complex(*jnp.moveaxis(b.reshape(n // 2, 2), -1, 0)),
-            lambda v: jnp.stack([jnp.real(v), jnp.imag(v)], axis=-1).reshape(base_shape),
+            lambda b: lax.complex(*jnp.moveaxis(b.reshape(n // 2, 2).astype(work), -1, 0)),
+            lambda v: jnp.stack([jnp.real(v), jnp.imag(v)], axis=-1).reshape(base_shape).astype(part),
         )
     # any other pair (view(dtype)): the storage's bytes, flat, read as view_dtype; a storage whose
     # size in bytes is no multiple of the view's element is padded with zero bytes, then cut back
-    a, b = _dtypes.to_jax(base_dtype), _dtypes.to_jax(view_dtype)
     n = math.prod(base_shape)
-    nbytes = n * a.itemsize
-    count = -(-nbytes // b.itemsize)
-    pad = count * b.itemsize - nbytes
+    nbytes = n * base_dtype.itemsize
+    count = -(-nbytes // view_dtype.itemsize)
+    pad = count * view_dtype.itemsize - nbytes
+    b = _dtypes.to_jax(view_dtype)
 
     def to_view(base: Any) -> Any:
-        raw = to_bytes(base.reshape(-1), a)
+        raw = _bytes_of(base.reshape(-1), base_dtype)
         if pad:
             raw = jnp.concatenate([raw, jnp.zeros((pad,), jnp.uint8)])
-        return from_bytes(raw, b)
+        return _from_bytes_of(raw, view_dtype)
 
     def from_view(v: Any) -> Any:
-        raw = to_bytes(v, b)
-        return from_bytes(raw[:nbytes] if pad else raw, a).reshape(base_shape)
+        raw = _bytes_of(v, view_dtype)
+        return _from_bytes_of(raw[:nbytes] if pad else raw, base_dtype).reshape(base_shape)
 
     return (count,), b, to_view, from_view
+
+
+def _bytes_of(flat: Any, dtype: torch.dtype) -> Any:
+    """:func:`to_bytes` of a flat array of torch ``dtype`` (a complex32's bytes are two float16s)."""
+    if dtype == torch.complex32:
+        return to_bytes(jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1).astype(jnp.float16),
+                        np.dtype(jnp.float16))
+    return to_bytes(flat, _dtypes.to_jax(dtype))
+
+
+def _from_bytes_of(raw: Any, dtype: torch.dtype) -> Any:
+    """The inverse of :func:`_bytes_of`."""
+    if dtype == torch.complex32:
+        pairs = from_bytes(raw, np.dtype(jnp.float16)).reshape(-1, 2).astype(jnp.float32)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    return from_bytes(raw, _dtypes.to_jax(dtype))
 
 
 def to_bytes(flat: Any, dtype: Any) -> Any:
@@ -499,6 +520,11 @@ def _alias_write_program(base_shape, base_dtype, view_dtype, size, stride, offse
         f"write {plan[0]} {list(size)} {view_dtype} into {list(base_shape)} {base_dtype}",
         lambda base, value: from_view(_write(plan, vshape, size, stride, offset, vdt, to_view(base), value)),
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _complex32_program() -> Program:
+    return Program("round to complex32", lambda v: _dtypes.round_complex32(jnp.asarray(v).astype(jnp.complex64)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -563,6 +589,8 @@ def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
     size = t.shape
+    if t.dtype is torch.complex32:  # rounded as a complex32 holds it (_dtypes)
+        value = execute(_complex32_program(), value)
     if t.dtype is not st._dtype:
         prog = _alias_write_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
                                     t.storage_offset())
