@@ -124,3 +124,30 @@ def test_unbatched_max_pool3d_lays_out_as_its_batch_of_one():
         outs.append((out, ind, xd.grad))
     for cpu, tpu in zip(*outs):
         _same_layout(cpu, tpu)
+
+
+_OUT_OPS = {
+    "add": lambda a, b, out: torch.add(a, b, out=out),
+    "eq": lambda a, b, out: torch.eq(a, b, out=out),
+    "mul by a broadcast row": lambda a, b, out: torch.mul(a, b[0, 0], out=out),
+    "exp": lambda a, b, out: torch.exp(a, out=out),
+}
+
+
+@pytest.mark.parametrize("perm", [(2, 0, 1), (1, 2, 0), (0, 2, 1)])
+@pytest.mark.parametrize("name", sorted(_OUT_OPS))
+def test_an_out_tensor_resized_from_empty_gets_cpu_strides(name, perm):
+    """CPU restrides an ``out=`` tensor it resizes as the functional result would be laid out
+    (permuted like a permuted input); one already of the right shape keeps its strides."""
+    f = _OUT_OPS[name]
+    x = torch.randn(2, 3, 4).permute(perm)
+    results = {}
+    for dev in ("cpu", "tpu"):
+        a = x.to(dev)
+        out = torch.empty(0, device=dev, dtype=torch.bool if name == "eq" else torch.float32)
+        f(a, a, out)
+        kept = torch.empty(x.shape, device=dev, dtype=out.dtype)
+        f(a, a, kept)
+        results[dev] = (out.stride(), kept.stride(), out.cpu())
+    assert results["tpu"][:2] == results["cpu"][:2]
+    torch.testing.assert_close(results["tpu"][2], results["cpu"][2])

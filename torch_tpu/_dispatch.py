@@ -314,6 +314,8 @@ class _OpKernel:
             else:
                 layouts = None
         perms = None if layouts is None else [None if lay is None else lay[2] for lay in layouts]
+        if self.kind == "out":
+            exact = self._resized_layouts(args, kwargs)
 
         if avals and not lowering.own_shapes and all(a is not None and 0 in a[0] for a in avals):
             # every result is empty (a zero batch): nothing to compute, and a lowering's window or
@@ -354,6 +356,21 @@ class _OpKernel:
         built.host_follows = (self.kind == "functional" and not random and not lowering.own_shapes
                               and _shape_churn.may_follow(args, kwargs, avals))
         return built, avals, exact
+
+    def _resized_layouts(self, args: tuple, kwargs: dict) -> list:
+        """Per out= tensor, the layout (``_layout``) CPU gives it when the op resizes it: the
+        functional op's, where that is dense but not contiguous (an elementwise op of a permuted
+        input: CPU's structured kernels restride a resized output as the functional result would
+        be), else None (contiguous). torch's meta kernels keep a resized out contiguous."""
+        functional = _functional_of(self.op)
+        if functional is None:
+            return []
+        try:
+            metas = meta_outputs(functional, args, {k: v for k, v in kwargs.items() if k not in self.out_names},
+                                 self.lowering.meta)
+        except Exception:  # noqa: BLE001 - the out= call's own meta run has the last word on errors
+            return []
+        return [None if m is None else _layout(m) for m in metas]
 
     def _runtime_int_key(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
         """A call's runtime inputs and signature with the value arguments' Python ints as runtime
@@ -542,13 +559,18 @@ class _OpKernel:
                 _write_result(first, outs[0], pos[0], exact)
                 return first
             targets = [kwargs[n] for n in self.out_names]  # out=
-            for t, value, (shape, _) in zip(targets, outs, avals):
+            for i, (t, value, (shape, _)) in enumerate(zip(targets, outs, avals)):
                 if not is_tpu(t):
                     raise device_mismatch(name, t.device)
                 if tuple(t.shape) != shape:
                     if t.numel():
                         warnings.warn(_RESIZED.format(list(t.shape), list(shape)), UserWarning, stacklevel=2)
-                    set_base(t, shape, t.dtype, None)
+                    layout = exact[i] if i < len(exact) else None
+                    if layout is None:
+                        set_base(t, shape, t.dtype, None)
+                    else:  # strided as CPU restrides a resized output (_resized_layouts)
+                        set_base(t, layout[1], t.dtype, None)
+                        _storage.set_geometry(t, t.untyped_storage(), 0, list(shape), list(layout[0]))
                 write(t, value)
             return targets[0] if len(targets) == 1 else tuple(targets)
         except BaseException:
