@@ -418,3 +418,22 @@ def test_complex32_holds_cpu_values():
         g = got[k].cpu()
         assert torch.equal(torch.view_as_real(g) if v.is_complex() else g,
                            torch.view_as_real(v) if v.is_complex() else v), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
+def test_shallow_copy_shares_the_data_like_cpu(dtype):
+    """``copy.copy`` of a tensor shares its storage (a write through the copy shows in the
+    original), while pickling and ``deepcopy`` copy the data; tpu's copy.copy went through its
+    pickling path and copied."""
+    results = {}
+    for dev in ("cpu", "tpu"):
+        x = torch.tensor([1, 0, 3, 4]).to(dtype).to(dev)
+        y = copy.copy(x)
+        y[1:3].fill_(1)
+        d = copy.deepcopy(x)
+        d.fill_(0)
+        shared = y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        results[dev] = (x.cpu(), y.cpu(), y.storage_offset(), shared)
+    assert results["tpu"][2:] == results["cpu"][2:]
+    torch.testing.assert_close(results["tpu"][0], results["cpu"][0])
+    torch.testing.assert_close(results["tpu"][1], results["cpu"][1])

@@ -9,6 +9,8 @@ deep-copied together still share, as on CPU.
 
 from __future__ import annotations
 
+import copy
+import sys
 from typing import Any
 
 import numpy as np
@@ -51,8 +53,12 @@ def _install_repr() -> None:
 def _install_pickling() -> None:
     original = torch.Tensor._reduce_ex_internal
 
+    shallow_copy = copy.copy.__code__
+
     def _reduce_ex_internal(self: torch.Tensor, proto: int) -> Any:
-        if _is_tpu(self):
+        # copy.copy(t) calls Tensor.__reduce_ex__ itself and rebuilds from the same storage (a
+        # shallow copy shares the data, as CPU's does); a pickler goes through the CPU
+        if _is_tpu(self) and sys._getframe(2).f_code is not shallow_copy:
             if torch.serialization._serialization_tls.skip_data:
                 raise RuntimeError("Cannot serialize tpu tensors under the skip_data context manager")
             return (
