@@ -616,7 +616,6 @@ _ALSO_OVERLAP_CHECKED = frozenset((
     "selu", "rrelu_with_noise", "leaky_relu", "gelu", "silu", "addmm", "mm", "addmv", "addr",
     "scatter", "scatter_add", "copy",
 ))
-_OVERLAP_MESSAGE = _overlap.INTERNAL
 
 
 def _checks_overlap(op: torch._ops.OpOverload) -> bool:
@@ -634,8 +633,8 @@ def _check_no_internal_overlap(written: list, where: str) -> None:
     size > 1 (never dense) would have one element written several times. Once per signature (an
     expanded tensor's signature carries its strides)."""
     for t in written:
-        if isinstance(t, torch.Tensor) and any(st == 0 and sz > 1 for sz, st in zip(t.shape, t.stride())):
-            raise_named(RuntimeError(_OVERLAP_MESSAGE), where)
+        if isinstance(t, torch.Tensor) and _overlap.internal(t):
+            raise_named(RuntimeError(_overlap.INTERNAL), where)
 
 
 def _check_inplace_cast(op: torch._ops.OpOverload, args: tuple, kwargs: dict, sig: str) -> None:
