@@ -455,6 +455,33 @@ def test_an_integer_input_cpu_has_no_kernel_for_raises_as_on_cpu(name):
     assert "aten." in str(tpu_err.value)
 
 
+_INTEGER_ONLY_CALLS = {
+    "<< (meta refuses)": (lambda t: t << 1, torch.float32),
+    ">>= (meta refuses)": (lambda t: t.__irshift__(1), torch.float64),
+    "bitwise_left_shift (XLA refuses)": (lambda t: torch.bitwise_left_shift(t, 1), torch.float32),
+    "& a number (XLA refuses)": (lambda t: t & 1, torch.float32),
+    "| a tensor (XLA refuses)": (lambda t: t | t, torch.float16),
+    "bitwise_not (XLA refuses)": (lambda t: torch.bitwise_not(t), torch.float32),
+    "gcd (a decomposition)": (lambda t: torch.gcd(t, t), torch.float32),
+    "neg of bool": (lambda t: t.neg(), torch.bool),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("name", sorted(_INTEGER_ONLY_CALLS))
+def test_a_float_input_to_an_integer_only_op_raises_as_on_cpu(name, mode):
+    """CPU's dtype switch refuses a float input to a bitwise op with NotImplementedError (torch
+    2.11 on); the meta kernel's own check (a RuntimeError) or XLA's refusal (a TypeError) must not
+    reach the user's except clause in its place."""
+    f, dtype = _INTEGER_ONLY_CALLS[name]
+    x = torch.arange(4).to(dtype)
+    with pytest.raises(Exception) as cpu_err:
+        f(x.clone())
+    with torch_tpu.set_eager_mode(mode), pytest.raises(cpu_err.type) as tpu_err:
+        f(x.to("tpu")).cpu()
+    assert type(tpu_err.value) is type(cpu_err.value)
+
+
 def test_asking_cpu_about_a_random_ops_dtype_leaves_cpus_generator_alone():
     torch.manual_seed(3)
     want = torch.rand(4)

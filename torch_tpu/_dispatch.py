@@ -422,7 +422,8 @@ class _OpKernel:
         metas are the functional op's, in the out tensors' dtypes (the program casts)."""
         where = f"{self.name}({sig})"
         if self.kind == "functional" or not _out_dtypes.is_meta_dtype_refusal(e):
-            raise_named(_tidy(e), where)
+            refusal = _out_dtypes.dtype_refusal(self.op, args, kwargs)  # CPU's type for a dtype it has no kernel for
+            raise_named(_tidy(e) if refusal is None else refusal, where)
         verdict = _out_dtypes.cpu_verdict(self.op, args, kwargs)  # in place too: abs_ of complex
         functional = _functional_of(self.op) if verdict is None and self.kind == "out" else None
         if functional is None:

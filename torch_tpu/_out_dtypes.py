@@ -136,6 +136,32 @@ def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Ba
     return None
 
 
+# A dtype CPU's kernel has no case for, whatever the dtype ("lshift_cpu" not implemented for
+# 'Float'), or CPU's own words for one ("Negation, the `-` operator, on a bool tensor is not supported")
+_ANY_DTYPE_REFUSAL = re.compile(r"not implemented for '\w+'|on a bool tensor is not supported")
+
+
+def dtype_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
+    """CPU's refusal of this call's dtypes, or None, asked after the meta kernel refused the call.
+
+    A meta kernel's dtype check is its own RuntimeError ("lshift: Expected input tensor to have an
+    integral dtype"), where CPU's dtype switch raises NotImplementedError, or RuntimeError in an
+    older torch; the user's except clause must see CPU's. Runs only on this error path, so any
+    dtype is asked, float ones included. Only a refusal of a dtype is adopted."""
+    if op._schema.name in _TRUSTS_ITS_VALUES:
+        return None
+    try:
+        cargs, ckw = _stand_in(args, True), {k: _stand_in(v, True) for k, v in kwargs.items()}
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            op(*cargs, **ckw)
+    except Exception as e:  # noqa: BLE001 - only a dtype refusal is an answer
+        text = str(e)
+        if (_ANY_DTYPE_REFUSAL.search(text) or _INTEGRAL_REFUSAL.search(text)) and "on CPU" not in text:
+            return e
+    return None
+
+
 _verdicts: dict = {}  # (op, the call's dtypes and other arguments) -> integral_refusal's answer
 
 

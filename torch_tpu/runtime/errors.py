@@ -28,9 +28,10 @@ def named_error(e: BaseException, where: str) -> BaseException:
         return _out_of_memory(e, where)
     text = f"{where}: {e}"
     if isinstance(e, TypeError) and _raised_by_jax(e) and "dtype" in str(e):
-        # jax.numpy refusing a dtype (bitwise ops on floats): CPU's kernel says "not implemented
-        # for 'Float'" as a RuntimeError, so a user's except clause sees the type CPU raises
-        return RuntimeError(f"{where}: not implemented for this dtype: {e}")
+        # jax.numpy refusing a dtype (bitwise ops on floats): CPU's dtype switch says "not
+        # implemented for 'Float'" as a NotImplementedError (torch 2.11 on), so a user's except
+        # clause sees the type CPU raises
+        return NotImplementedError(f"{where}: not implemented for this dtype: {e}")
     try:
         new = type(e)(text)
     except Exception:
