@@ -67,9 +67,21 @@ def honouring(op: torch._ops.OpOverload, fn: Callable) -> Callable:
     names = [a.name for a in schema]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not (any(i < len(args) and args[i] is not None and has_bit(args[i]) for i in positions)
-                or any(isinstance(v, torch.Tensor) and has_bit(v) for v in kwargs.values())):
-            return fn(*args, **kwargs)
+        # a plain loop, not any() over a generator: this runs at every matrix product
+        n = len(args)
+        for i in positions:
+            if i < n:
+                a = args[i]
+                if a is not None and has_bit(a):
+                    return resolved(args, kwargs)
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, torch.Tensor) and has_bit(v):
+                    return resolved(args, kwargs)
+        return fn(*args, **kwargs)
+
+    def resolved(args: tuple, kwargs: dict) -> Any:
+        """``fn`` on clones of the bit-set arguments (written ones copied back under their bits)."""
         args, kwargs = list(args), dict(kwargs)
         mutated: list[tuple[torch.Tensor, torch.Tensor]] = []
 
