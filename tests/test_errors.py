@@ -27,6 +27,29 @@ def test_device_mismatch_like_cuda():
             torch.equal(a, b)
 
 
+@pytest.mark.parametrize("index", [
+    lambda x, i: x[i],
+    lambda x, i: x[:, i, None],
+    lambda x, i: x.index_put_((i,), torch.tensor(1.0)),
+    lambda x, i: x.__setitem__(i, 2.0),
+])
+def test_a_cpu_tensor_indexed_by_tpu_indices_is_refused_in_cudas_words(index):
+    """A CPU tensor indexed by device indices: CUDA refuses with "indices should be either on cpu
+    or on the same device as the indexed tensor (cpu)" (PyTorch's test_advancedindex_mixed_devices_error);
+    tpu indices with a tpu tensor, and CPU indices with a tpu tensor, index as on CPU."""
+    x = torch.arange(12.0).view(3, 4)
+    i = torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match=re.escape("indices should be either on cpu or on the same device "
+                                                     "as the indexed tensor (cpu)")):
+        index(x.clone(), i.to("tpu"))
+    for xs, ixs in ((x.to("tpu"), i.to("tpu")), (x.to("tpu"), i)):
+        want, got = x.clone(), xs.clone()
+        a, b = index(want, i), index(got, ixs)
+        assert torch.equal(got.cpu(), want)
+        if a is not None:
+            assert torch.equal(b.cpu(), a)
+
+
 @pytest.mark.parametrize(
     "f, shapes",
     [

@@ -261,6 +261,9 @@ def _mask_kernel(op: torch._ops.OpOverload, kind: str, fn, put: bool) -> None:
         where = adapt(op, Lowering(_mask_put), kind) if put else None
 
         def run(self, indices, *args, **kwargs):
+            if not is_tpu(self):  # a CPU tensor indexed by tpu indices: CPU's words for it, as on CUDA
+                raise RuntimeError(f"aten.{name}: indices should be either on cpu or on the same device as the "
+                                   f"indexed tensor ({self.device})")
             indices = list(indices)
             if put:
                 _refuse_a_byte_mask_fill(self, indices, args, kwargs)
