@@ -477,3 +477,27 @@ def test_assert_async_checks_without_waiting():
     with pytest.raises(RuntimeError, match=r"the sum is too small \(found on the device after the op, called at "):
         x.cpu()
     assert torch_tpu.metrics()["fallback_counts"].get("aten._assert_async.msg") is None
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("needs", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_grid_sample_backward_whichever_of_input_and_grid_needs_a_gradient(dims, needs, mode):
+    """A fixed sampling grid (a spatial transformer's without a learned grid) asks the backward
+    for the input's gradient alone; CPU's kernel still returns the grid's, and so must ours (it
+    returned one result where two were expected and raised)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((1, 2) + (3,) * dims, generator=g)
+    grid = torch.rand((1,) + (2,) * dims + (dims,), generator=g) * 2 - 1
+    grads = []
+    for device in ("cpu", "tpu"):
+        with torch_tpu.set_eager_mode(mode):
+            xi = x.detach().to(device).requires_grad_(needs[0])
+            gi = grid.detach().to(device).requires_grad_(needs[1])
+            out = F.grid_sample(xi, gi, align_corners=False)
+            out.backward(torch.ones_like(out))
+            grads.append([None if t.grad is None else t.grad.cpu() for t in (xi, gi)])
+    for want, got in zip(*grads):
+        assert (want is None) == (got is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

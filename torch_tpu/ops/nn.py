@@ -1544,8 +1544,9 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 
 
 def _grid_sampler_backward(forward: Callable) -> Callable:
-    """The backward of a grid sampler: the vjp of its forward lowering (bicubic included), for the
-    results ``output_mask`` asks for."""
+    """The backward of a grid sampler: the vjp of its forward lowering (bicubic included). The
+    input's gradient where ``output_mask`` asks for it; the grid's always, as CPU's kernel (and
+    torch's meta kernel) return it whatever the mask says."""
 
     def backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
         def fwd(x, g):
@@ -1554,7 +1555,7 @@ def _grid_sampler_backward(forward: Callable) -> Callable:
         x, g = _acc(input), _acc(grid)
         _, vjp = jax.vjp(fwd, x, g)
         gx, gg = vjp(_acc(grad_output).astype(x.dtype))
-        return tuple(r for r, m in zip((gx, gg), output_mask) if m)
+        return (gx, gg) if output_mask[0] else (gg,)
 
     return backward
 
