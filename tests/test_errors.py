@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -735,3 +736,46 @@ def test_fills_of_expanded_tensors_warn_as_cpu(name):
         f(_overlap_operands("tpu"))
     wanted = {str(w.message).split(" (Triggered internally")[0] for w in cpu if "expanded" in str(w.message)}
     assert wanted <= {str(w.message) for w in tpu}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_deterministic_algorithms_alert_as_on_cpu(warn_only, mode):
+    """Under ``torch.use_deterministic_algorithms(True)``: ``put_`` without accumulation alerts as
+    on CPU (two values for one position, either may land); ``histc`` and ``median`` with indices do
+    not, as on CPU (torch's meta kernels take a meta tensor for a CUDA one and raised CUDA's alerts)."""
+    def calls(device):
+        a = torch.arange(10.0, device=device)
+        i = torch.tensor([0, 0], device=device)
+        v = torch.tensor([5.0, 6.0], device=device)
+        return {
+            "put_": lambda: a.clone().put_(i, v),
+            "put": lambda: a.put(i, v),
+            "put_ accumulating": lambda: a.clone().put_(i, v, accumulate=True),
+            "histc": lambda: torch.histc(a, bins=4),
+            "median with indices": lambda: a.median(0),
+            "take": lambda: torch.take(a, i),
+        }
+
+    def outcome(f):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                r = f()
+                if isinstance(r, torch.Tensor):
+                    r.cpu()
+            except RuntimeError as e:
+                return "raised" if "does not have a deterministic implementation" in str(e) else repr(e)
+        return "warned" if any("deterministic implementation" in str(w.message) for w in seen) else "ran"
+
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        want = {k: outcome(f) for k, f in calls("cpu").items()}
+        with torch_tpu.set_eager_mode(mode):
+            got = {k: outcome(f) for k, f in calls("tpu").items()}
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+    assert got == want
+    assert want["put_"] == ("warned" if warn_only else "raised")

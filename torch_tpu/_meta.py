@@ -41,7 +41,11 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
     """Runs torch's meta kernel (or ``meta``, standing in for it): raises CPU's errors, returns meta
     tensors of the results, None for an undefined one (a backward's ``output_mask``)."""
     # a generator changes no shape, and torch's reference meta kernels refuse one (exponential_)
-    out = (meta or op)(*to_meta(args), **{k: None if k == "generator" else to_meta(v) for k, v in kwargs.items()})
+    margs, mkwargs = to_meta(args), {k: None if k == "generator" else to_meta(v) for k, v in kwargs.items()}
+    if torch.are_deterministic_algorithms_enabled():
+        out = _without_cuda_alerts(meta or op, margs, mkwargs)
+    else:
+        out = (meta or op)(*margs, **mkwargs)
     if out is None:  # an in-place op on a list (_foreach_mul_): no result
         return []
     if isinstance(out, torch.Tensor):
@@ -53,6 +57,19 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
         else:
             flat.extend(o)
     return flat
+
+
+def _without_cuda_alerts(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn`` run with deterministic algorithms off: a meta kernel takes a meta tensor for a CUDA
+    one and raises CUDA's nondeterminism alerts ("_histc_cuda with floating point input", "median
+    CUDA with indices output") for kernels tpu does not have. The alerts that are tpu's (``put_``
+    without accumulation, ``max_unpool``) are raised by the lowering or the decomposition."""
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def _cpu_stand_in(a: Any) -> Any:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
+from torch._prims_common import alert_not_deterministic
 
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
@@ -508,6 +509,9 @@ def index_reduce(self, dim, index, source, reduce, include_self=True):
 def _check_take(self, index, *args, **kwargs):
     n = self.numel()
     name = "take()" if not args else "put()"
+    if args and not (args[1] if len(args) > 1 else kwargs.get("accumulate", False)):
+        # which of two values for one position lands is unspecified, on XLA as on CPU: CPU's alert
+        alert_not_deterministic("put_")
     error = lambda v: IndexError(f"{name}: out of range: tried to access index {v} on a tensor of {n} elements.")
     if is_tpu(index):
         checks.check_values(index, checks.outside, (-n, n), error)
