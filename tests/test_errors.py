@@ -741,9 +741,10 @@ def test_fills_of_expanded_tensors_warn_as_cpu(name):
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 @pytest.mark.parametrize("warn_only", [False, True])
 def test_deterministic_algorithms_alert_as_on_cpu(warn_only, mode):
-    """Under ``torch.use_deterministic_algorithms(True)``: ``put_`` without accumulation alerts as
-    on CPU (two values for one position, either may land); ``histc`` and ``median`` with indices do
-    not, as on CPU (torch's meta kernels take a meta tensor for a CUDA one and raised CUDA's alerts)."""
+    """Under ``torch.use_deterministic_algorithms(True)``: ``put_`` without accumulation and
+    ``max_unpool`` alert as on CPU (two values for one position, either may land); ``histc`` and
+    ``median`` with indices do not, as on CPU (torch's meta kernels take a meta tensor for a CUDA
+    one and raised CUDA's alerts)."""
     def calls(device):
         a = torch.arange(10.0, device=device)
         i = torch.tensor([0, 0], device=device)
@@ -755,6 +756,10 @@ def test_deterministic_algorithms_alert_as_on_cpu(warn_only, mode):
             "histc": lambda: torch.histc(a, bins=4),
             "median with indices": lambda: a.median(0),
             "take": lambda: torch.take(a, i),
+            "max_unpool2d": lambda: torch.nn.functional.max_unpool2d(
+                a[:4].view(1, 1, 2, 2), torch.zeros(1, 1, 2, 2, dtype=torch.long, device=device), 2),
+            "max_unpool3d": lambda: torch.nn.functional.max_unpool3d(
+                a[:8].view(1, 1, 2, 2, 2), torch.zeros(1, 1, 2, 2, 2, dtype=torch.long, device=device), 2),
         }
 
     def outcome(f):
@@ -778,4 +783,4 @@ def test_deterministic_algorithms_alert_as_on_cpu(warn_only, mode):
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
     assert got == want
-    assert want["put_"] == ("warned" if warn_only else "raised")
+    assert want["put_"] == want["max_unpool3d"] == ("warned" if warn_only else "raised")

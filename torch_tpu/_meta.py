@@ -62,8 +62,8 @@ def meta_outputs(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
 def _without_cuda_alerts(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn`` run with deterministic algorithms off: a meta kernel takes a meta tensor for a CUDA
     one and raises CUDA's nondeterminism alerts ("_histc_cuda with floating point input", "median
-    CUDA with indices output") for kernels tpu does not have. The alerts that are tpu's (``put_``
-    without accumulation, ``max_unpool``) are raised by the lowering or the decomposition."""
+    CUDA with indices output") for kernels tpu does not have. The alerts that are tpu's, CPU's
+    list (``put_`` without accumulation, ``max_unpool``), are raised by those ops' checks."""
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     try:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
+from torch._prims_common import alert_not_deterministic
 
 from torch_tpu import _checks as checks
 from torch_tpu import _dtypes
@@ -621,6 +622,8 @@ def adaptive_max_pool3d_backward(grad_output, self, indices):
 
 
 def _check_unpool_indices(self, indices, output_size, *rest, **kw):
+    # two inputs sent to one position (indices not from max_pool): either may land, as on CPU
+    alert_not_deterministic(f"max_unpooling{len(output_size)}d_forward_out")
     limit = math.prod(output_size)
     sizes = "x".join(map(str, output_size))
     checks.check_values(indices, checks.outside, (0, limit),
