@@ -784,3 +784,25 @@ def test_deterministic_algorithms_alert_as_on_cpu(warn_only, mode):
         torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
     assert got == want
     assert want["put_"] == want["max_unpool3d"] == ("warned" if warn_only else "raised")
+
+
+@pytest.mark.parametrize("shapes", [
+    ((5, 5, 5, 5), (1, 1, 4, 4)),  # batch sizes differ
+    ((1, 1, 3, 3), (1, 2, 2, 3)),  # a grid of 3-d points for a 2-d input
+    ((1, 1, 3, 3), (1, 2, 2, 2, 2)),  # a 5-d grid
+    ((1, 1, 0, 3), (1, 2, 2, 2)),  # an empty spatial dim
+])
+@pytest.mark.parametrize("call", ["grid_sampler_2d", "grid_sample"])
+def test_grid_sampler_2d_shape_checks_say_what_cpu_says(call, shapes):
+    """Eager mode serves grid_sampler_2d by torch's decomposition, whose asserts raised
+    AssertionError or ValueError ("too many values to unpack"); CPU's RuntimeError and words come first."""
+    def f(x, g):
+        if call == "grid_sample":
+            return torch.nn.functional.grid_sample(x, g, align_corners=True)
+        return torch.grid_sampler_2d(x, g, 0, 0, True)
+
+    x, g = torch.randn(shapes[0]), torch.rand(shapes[1]) * 2 - 1
+    with pytest.raises(Exception) as cpu_err:
+        f(x, g)
+    with pytest.raises(type(cpu_err.value), match=re.escape(str(cpu_err.value))):
+        f(x.to("tpu"), g.to("tpu")).cpu()

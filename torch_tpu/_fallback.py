@@ -187,6 +187,7 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         active = _guard.active = set()
     if decomp is not None and op not in active:
         from torch_tpu import _out_dtypes
+        from torch_tpu.ops._registry import LOWERINGS
         from torch_tpu.runtime.errors import raise_named
 
         refusal = _out_dtypes.integral_refusal_by_dtypes(op, args, kwargs)  # CPU has no kernel for the dtype
@@ -194,6 +195,9 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
             shapes = ", ".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
                                for a in args if isinstance(a, torch.Tensor))
             raise_named(refusal, f"{op}({shapes})")
+        lowering = LOWERINGS.get(op)  # a graph lowering's check: CPU's errors before the decomposition's own
+        if lowering is not None and lowering.check is not None:
+            lowering.check(*args, **kwargs)
         metrics.decomposition_counts[str(op)] += 1
         active.add(op)
         try:

@@ -1530,7 +1530,27 @@ def _cubic_weights(t, a: float = -0.75):
     return far(t + 1), near(t), near(1 - t), far(2 - t)
 
 
-lower(aten.grid_sampler_2d.default, graph_only=True)(grid_sampler_2d)
+def _grid_sampler_2d_check(input, grid, interpolation_mode, padding_mode, align_corners):
+    """CPU's shape checks of ``grid_sampler_2d``, in CPU's order and words. Eager mode serves the op
+    by torch's decomposition, whose asserts (an AssertionError, or a ValueError from unpacking)
+    would otherwise speak first."""
+    sizes, gsizes = list(input.shape), list(grid.shape)
+    if input.dim() and grid.dim() and input.shape[0] != grid.shape[0]:
+        raise RuntimeError(f"grid_sampler(): expected grid and input to have same batch size, but got input with "
+                           f"sizes {sizes} and grid with sizes {gsizes}")
+    if grid.dim() and grid.shape[-1] != input.dim() - 2:
+        raise RuntimeError(f"grid_sampler(): expected grid to have size {input.dim() - 2} in last dimension, but got "
+                           f"grid with sizes {gsizes}")
+    for i in range(2, input.dim()):
+        if input.shape[i] == 0:
+            raise RuntimeError(f"grid_sampler(): expected input to have non-empty spatial dimensions, but input has "
+                               f"sizes {sizes} with dimension {i} being empty")
+    if input.dim() != 4 or grid.dim() != 4:
+        raise RuntimeError(f"grid_sampler(): expected 4D input and grid with same number of dimensions, but got "
+                           f"input with sizes {sizes} and grid with sizes {gsizes}")
+
+
+lower(aten.grid_sampler_2d.default, graph_only=True, check=_grid_sampler_2d_check)(grid_sampler_2d)
 
 
 @lower(aten._trilinear.default, graph_only=True)
