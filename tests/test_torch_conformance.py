@@ -437,3 +437,25 @@ def test_shallow_copy_shares_the_data_like_cpu(dtype):
     assert results["tpu"][2:] == results["cpu"][2:]
     torch.testing.assert_close(results["tpu"][0], results["cpu"][0])
     torch.testing.assert_close(results["tpu"][1], results["cpu"][1])
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: torch.empty(3, dtype=torch.chalf, device=d),
+    lambda d: torch.zeros(3, dtype=torch.chalf, device=d),
+    lambda d: torch.randn(3, dtype=torch.chalf, device=d),
+    lambda d: torch.empty_strided((2, 2), (1, 2), dtype=torch.chalf, device=d),
+    lambda d: torch.ones_like(torch.ones(2, device=d), dtype=torch.chalf),
+])
+def test_making_complex32_memory_warns_as_on_cpu(make):
+    """CPU warns "ComplexHalf support is experimental" whenever complex32 memory is made (once a
+    process, or every time under torch._C._set_warnAlways(True), as PyTorch's own tests set)."""
+    was = torch._C._get_warnAlways()
+    torch._C._set_warnAlways(True)
+    try:
+        for device in ("cpu", "tpu"):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                make(device)
+            assert any("ComplexHalf support is experimental" in str(w.message) for w in seen), device
+    finally:
+        torch._C._set_warnAlways(was)

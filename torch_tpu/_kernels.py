@@ -7,6 +7,7 @@ scalar, views (which share storage) and storage surgery (``resize_``, ``set_``).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -55,11 +56,30 @@ def _check_size(op: str, size) -> tuple[int, ...]:
     return shape
 
 
+_complex_half_warned = False
+
+
+def _warn_complex_half() -> None:
+    """CPU's warning when memory for complex32 is made: once a process, at every allocation where
+    ``torch._C._set_warnAlways(True)`` (as PyTorch's tests set)."""
+    global _complex_half_warned
+    if _complex_half_warned and not torch._C._get_warnAlways():
+        return
+    _complex_half_warned = True
+    from torch_tpu.runtime.fused import user_site
+
+    site = user_site() or ("<unknown>", 0)  # the user's line, as CPU's C++ warning names it
+    warnings.warn_explicit("ComplexHalf support is experimental and many operators don't support it yet.",
+                           UserWarning, site[0], site[1])
+
+
 @kernel(aten.empty.memory_format, fusable=True)
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     _check_device(device)
     shape = _check_size("empty", size)
     dtype = dtype or torch.get_default_dtype()
+    if dtype is torch.complex32:
+        _warn_complex_half()
     if memory_format in (None, torch.contiguous_format, torch.preserve_format):
         t = new_tensor(shape, dtype)
     else:
@@ -74,6 +94,8 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     ask for) are kept; an overlapping or gapped layout is made contiguous (XLA arrays are dense)."""
     _check_device(device)
     dtype = dtype or torch.get_default_dtype()
+    if dtype is torch.complex32:
+        _warn_complex_half()
     t = _strided(_check_size("empty_strided", size), tuple(stride), dtype)
     return t.fill_(_fill_value(dtype)) if _deterministic_fill() else t
 
