@@ -169,6 +169,29 @@ def test_without_the_host_path_generate_names_the_growing_sequence_as_the_cause(
     assert messages and "static cache" in messages[0], messages
 
 
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_generate_with_a_dynamic_cache_warns_that_the_kv_cache_grows_and_names_the_fix(model, monkeypatch, mode):
+    """The default (dynamic) cache grows the keys and values by one position per token, so every
+    token compiles the model step again: the warning names the growth and points at a static
+    cache, and the tokens are still CPU's."""
+    monkeypatch.setattr(cache, "RECOMPILE_WARN", 4)
+    cache._warned_sites.clear()
+    cache._site_recompiles.clear()
+    m = _on_tpu(model, compiled=False)
+    prompt = _prompt()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model.generate(prompt, **kw)
+    with torch.no_grad(), torch_tpu.set_eager_mode(mode), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = m.generate(prompt.to("tpu"), **kw).cpu()
+    assert torch.equal(got, want)
+    messages = [str(c.message) for c in caught if "recompiled" in str(c.message)]
+    assert messages, [str(c.message) for c in caught]
+    assert any("KV cache" in t and "cache_implementation='static'" in t for t in messages), messages
+
+
 def test_an_exported_decoding_step_keeps_its_static_cache_as_state(model, tmp_path):
     """transformers' export recipe (a StaticCache registered as buffers, written every step):
     the artifact carries the cache as state, so prefill and greedy decoding through it, then
