@@ -121,6 +121,28 @@ def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Ba
     stand-ins' zeros or shapes is no verdict (and a call CPU accepts runs on tpu as before)."""
     if not (_has_integral(args) or (kwargs and _has_integral(kwargs.values()))):
         return None
+    return _cpu_refusal(op, args, kwargs, _INTEGRAL_REFUSAL)
+
+
+# Those, and a dtype CPU's kernel has no case for, whatever the dtype ("lshift_cpu" not implemented
+# for 'Float'), or CPU's own words for one ("Negation, the `-` operator, on a bool tensor is not supported")
+_ANY_DTYPE_REFUSAL = re.compile(_INTEGRAL_REFUSAL.pattern
+                                + r"|not implemented for '\w+'|on a bool tensor is not supported")
+
+
+def dtype_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
+    """CPU's refusal of this call's dtypes, or None, asked after the meta kernel refused the call.
+
+    A meta kernel's dtype check is its own RuntimeError ("lshift: Expected input tensor to have an
+    integral dtype"), where CPU's dtype switch raises NotImplementedError, or RuntimeError in an
+    older torch; the user's except clause must see CPU's. Runs only on this error path, so any
+    dtype is asked, float ones included. Only a refusal of a dtype is adopted."""
+    return _cpu_refusal(op, args, kwargs, _ANY_DTYPE_REFUSAL)
+
+
+def _cpu_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict, words: re.Pattern) -> BaseException | None:
+    """The exception CPU raises for this call on zero stand-ins when its message matches ``words``
+    (a refusal of a dtype), else None. A refusal CPU calls its own ("... on CPU") is not adopted."""
     if op._schema.name in _TRUSTS_ITS_VALUES:
         return None
     try:
@@ -131,33 +153,7 @@ def integral_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Ba
             op(*cargs, **ckw)
     except Exception as e:  # noqa: BLE001 - only a dtype refusal is an answer
         text = str(e)
-        if _INTEGRAL_REFUSAL.search(text) and "on CPU" not in text:
-            return e
-    return None
-
-
-# A dtype CPU's kernel has no case for, whatever the dtype ("lshift_cpu" not implemented for
-# 'Float'), or CPU's own words for one ("Negation, the `-` operator, on a bool tensor is not supported")
-_ANY_DTYPE_REFUSAL = re.compile(r"not implemented for '\w+'|on a bool tensor is not supported")
-
-
-def dtype_refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> BaseException | None:
-    """CPU's refusal of this call's dtypes, or None, asked after the meta kernel refused the call.
-
-    A meta kernel's dtype check is its own RuntimeError ("lshift: Expected input tensor to have an
-    integral dtype"), where CPU's dtype switch raises NotImplementedError, or RuntimeError in an
-    older torch; the user's except clause must see CPU's. Runs only on this error path, so any
-    dtype is asked, float ones included. Only a refusal of a dtype is adopted."""
-    if op._schema.name in _TRUSTS_ITS_VALUES:
-        return None
-    try:
-        cargs, ckw = _stand_in(args, True), {k: _stand_in(v, True) for k, v in kwargs.items()}
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-            warnings.simplefilter("ignore")
-            op(*cargs, **ckw)
-    except Exception as e:  # noqa: BLE001 - only a dtype refusal is an answer
-        text = str(e)
-        if (_ANY_DTYPE_REFUSAL.search(text) or _INTEGRAL_REFUSAL.search(text)) and "on CPU" not in text:
+        if words.search(text) and "on CPU" not in text:
             return e
     return None
 
