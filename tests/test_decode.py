@@ -178,7 +178,7 @@ def test_generate_with_a_dynamic_cache_warns_that_the_kv_cache_grows_and_names_t
     cache._warned_sites.clear()
     cache._site_recompiles.clear()
     m = _on_tpu(model, compiled=False)
-    prompt = _prompt()
+    prompt = _prompt(batch=3)  # a batch size no other test here decodes: its programs are new
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -71,6 +71,9 @@ def _warn_complex_half() -> None:
     site = user_site() or ("<unknown>", 0)  # the user's line, as CPU's C++ warning names it
     warnings.warn_explicit("ComplexHalf support is experimental and many operators don't support it yet.",
                            UserWarning, site[0], site[1])
+    with warnings.catch_warnings():  # torch's own once-a-process warning is spent too: the meta
+        warnings.simplefilter("ignore")  # tensors standing in for this one would give it again
+        torch.empty(0, dtype=torch.complex32, device="meta")
 
 
 @kernel(aten.empty.memory_format, fusable=True)
