@@ -80,6 +80,29 @@ def test_new_tpu_storage_like_cpu():
     assert torch.TypedStorage(3, dtype=torch.float64, device="tpu").nbytes() == 24
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                                   torch.complex64, torch.complex128])
+def test_storage_type_is_the_devices_legacy_class_like_cuda(dtype):
+    """``storage_type()`` names ``torch.tpu.<X>Storage``, where CPU's names ``torch.<X>Storage``
+    (and CUDA's ``torch.cuda.<X>Storage``); it was None. The class makes and recognises tpu storages."""
+    c = torch.ones(3, dtype=dtype)
+    t = c.to("tpu")
+    cls = t.storage_type()
+    assert cls is not None and cls.__name__ == c.storage_type().__name__ and cls.__module__ == "torch.tpu"
+    assert cls is getattr(torch.tpu, cls.__name__) and cls.dtype == dtype
+    assert isinstance(t.storage(), cls) and not isinstance(c.storage(), cls)
+    assert not isinstance(t.storage(), c.storage_type())
+    made, ref = cls([1, 0, 1]), c.storage_type()([1, 0, 1])
+    assert (made.device.type, made.dtype, made.tolist()) == ("tpu", dtype, ref.tolist())
+    assert (cls(4).size(), cls(4).device.type) == (4, "tpu")
+
+
+def test_tpu_legacy_storage_refuses_host_buffers():
+    with pytest.raises(RuntimeError, match="from_buffer: Not available for tpu storage"):
+        torch.tpu.FloatStorage.from_buffer(b"\0" * 8, "native")
+
+
 def test_storage_clone_copy_fill_like_cpu():
     c = torch.arange(4, dtype=torch.int32)
     t = c.to("tpu")

@@ -296,6 +296,7 @@ get_amp_supported_dtype = _torch_tpu_autoload.get_amp_supported_dtype
 is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
 
 
+from torch_tpu._legacy_storage import storage_classes as _storage_classes  # noqa: E402
 from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
 from torch_tpu.runtime.graphed_callables import make_graphed_callables  # noqa: E402,F401
 from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: capture once, replay per step)
@@ -305,6 +306,9 @@ from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: ca
     is_current_stream_capturing,
 )
 from torch_tpu.runtime.host_reads import get_sync_debug_mode, set_sync_debug_mode  # noqa: E402,F401
+
+# torch.tpu.FloatStorage ... as torch.cuda's (what a tpu tensor's storage_type() names)
+globals().update(_storage_classes())
 
 
 def take_lost_exception() -> BaseException | None:
