@@ -98,6 +98,19 @@ def test_storage_type_is_the_devices_legacy_class_like_cuda(dtype):
     assert (cls(4).size(), cls(4).device.type) == (4, "tpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bfloat16])
+def test_storage_moves_to_tpu_as_to_cuda(dtype):
+    """``storage.tpu()`` and ``storage.is_tpu``, as CUDA's ``storage.cuda()`` and ``is_cuda``."""
+    c = torch.arange(5).to(dtype)
+    moved = c.untyped_storage().tpu()
+    assert (moved.device.type, moved.is_tpu, c.untyped_storage().is_tpu) == ("tpu", True, False)
+    assert moved.tolist() == c.untyped_storage().tolist() and moved.tpu() is moved
+    typed = c.storage().tpu()
+    assert (typed.device.type, typed.dtype, typed.is_tpu) == ("tpu", dtype, True)
+    assert typed.tolist() == c.storage().tolist()
+    assert not moved.cpu().is_tpu
+
+
 def test_tpu_legacy_storage_refuses_host_buffers():
     with pytest.raises(RuntimeError, match="from_buffer: Not available for tpu storage"):
         torch.tpu.FloatStorage.from_buffer(b"\0" * 8, "native")

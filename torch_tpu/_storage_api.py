@@ -179,3 +179,7 @@ def install() -> None:
     torch.UntypedStorage.__new__ = _untyped_new
     torch.UntypedStorage.data_ptr = _storage_data_ptr
     torch.Tensor.data_ptr = _tensor_data_ptr
+    # storage.tpu() and storage.is_tpu, as storage.cuda() and is_cuda: torch's own methods for a
+    # PrivateUse1 backend, over the storage constructor and copy_ above
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True)
