@@ -946,7 +946,8 @@ _BENEATH_THE_DISPATCHER = (
     "torch_tpu._autocast", "torch_tpu._dtypes", "torch_tpu._rng", "torch_tpu._device", "torch_tpu._meta",
     "torch_tpu._checks", "torch_tpu._out_dtypes", "torch_tpu._shape_churn", "torch_tpu._int_churn", "torch_tpu._sparse",
     "torch_tpu._nested", "torch_tpu._compat", "torch_tpu._extension", "torch_tpu._math_bits", "torch_tpu._overlap",
-    "torch_tpu._storage_api", "torch_tpu._view_churn", "torch_tpu.runtime", "torch_tpu.ops", "torch_tpu.compile",
+    "torch_tpu._storage_api", "torch_tpu._legacy_storage", "torch_tpu._view_churn", "torch_tpu.runtime",
+    "torch_tpu.ops", "torch_tpu.compile",
     "jax", "jaxlib", "ml_dtypes",
 )
 # torch_tpu's private modules that user code calls directly, above the dispatcher: Dynamo may trace them
