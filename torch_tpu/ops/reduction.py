@@ -19,6 +19,7 @@ from jax import lax
 
 from torch_tpu import _dtypes
 from torch_tpu._storage import new_tensor
+from torch_tpu.ops import tie_order
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.elementwise import complex_logaddexp
 from torch_tpu.ops.factories import _linspace_values
@@ -499,10 +500,18 @@ def sort_stable(self, stable=None, dim=-1, descending=False):
 
 @lower(aten.topk.default)
 def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002
-    """From a full stable sort: NaN counts as the largest value, as on CPU."""
+    """From a full stable sort (NaN counts as the largest value, as on CPU), with CPU's choice
+    among equal elements where there are any (``tie_order``). ``sorted=False`` gives the same
+    elements as CPU, in sorted order."""
     y, d = _as_1d(self, dim)
-    v, i = _sort_last(jnp.moveaxis(y, d, -1), largest)
-    v, i = jnp.moveaxis(v[..., :k], -1, d), jnp.moveaxis(i[..., :k], -1, d)
+    y = jnp.moveaxis(y, d, -1)
+    v, i = _sort_last(y, largest)
+    n = y.shape[-1]
+    rows = v.reshape(-1, n)
+    picked = tie_order.topk_indices(rows, i.reshape(-1, n), k).astype(_I64)
+    i = picked.reshape(y.shape[:-1] + (k,))
+    v = jnp.take_along_axis(y, i, axis=-1)
+    v, i = jnp.moveaxis(v, -1, d), jnp.moveaxis(i, -1, d)
     return _restore(v, self), _restore(i, self)
 
 
