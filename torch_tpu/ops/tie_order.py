@@ -12,9 +12,10 @@ two of the first k+1 sorted elements compare equal), and replays libstdc++'s alg
 step, on the rows where equal elements make the order a choice. The replay is sequential (XLA
 while loops over one row at a time); it runs only when some row has such ties, inside a
 ``lax.cond``, so a call without ties costs one comparison of neighbours. Its cost is in
-compiling: on XLA:CPU a topk program takes about 1 s to compile instead of about 0.1 s (each
-data-dependent read and write in the loops is a kernel of its own there). A single loop running
-the algorithms as a state machine compiled no faster, and is harder to check against libstdc++.
+compiling (on XLA:CPU a topk program takes 0.6-1.3 s to compile instead of about 0.1 s: each
+data-dependent read and write in the loops is a kernel of its own there; a single loop running
+the algorithms as a state machine compiled no faster, and is harder to check against libstdc++)
+and in rows with ties (a bfloat16 top-50 of a 50,257 vocabulary: about 50 ms a row here).
 
 Elements are compared by rank: equal ranks are equal elements (``-0.0`` equals ``0.0``, every NaN
 equals every NaN), and a smaller rank sorts first, which folds CPU's two comparators (``largest``,
@@ -73,7 +74,7 @@ def _stable_sort_range(a, first, last):
     return a
 
 
-def _median_to_first(a, result, x, y, z):
+def _median_to_first(a, result, x, y, z, active=True):
     """``__move_median_to_first``: swaps the median of x, y, z into ``result``."""
     rx, ry, rz = _rank(a, x), _rank(a, y), _rank(a, z)
     pick = jnp.where(
@@ -81,10 +82,10 @@ def _median_to_first(a, result, x, y, z):
         jnp.where(ry < rz, y, jnp.where(rx < rz, z, x)),
         jnp.where(rx < rz, x, jnp.where(ry < rz, z, y)),
     )
-    return _swap(a, result, pick)
+    return _swap(a, result, jnp.where(active, pick, result))
 
 
-def _unguarded_partition(a, first, last, pivot):
+def _unguarded_partition(a, first, last, pivot, active=True):
     """``__unguarded_partition``: Hoare's scheme around the element at ``pivot``; returns the cut."""
     rp = _rank(a, pivot)  # the pivot sits before the range and does not move
 
@@ -96,15 +97,16 @@ def _unguarded_partition(a, first, last, pivot):
         a = _swap(a, lo, jnp.where(done, lo, hi))  # a swap with itself when done
         return a, jnp.where(done, lo, lo + 1), hi, done
 
-    a, cut, _, _ = lax.while_loop(lambda c: ~c[3], body, (a, first, last, jnp.bool_(False)))
+    a, cut, _, _ = lax.while_loop(lambda c: ~c[3], body, (a, first, last, ~jnp.asarray(active)))
     return a, cut
 
 
-def _partition_pivot(a, first, last):
-    """``__unguarded_partition_pivot``: median of three to the front, then partition."""
+def _partition_pivot(a, first, last, active=True):
+    """``__unguarded_partition_pivot``: median of three to the front, then partition. With
+    ``active`` false, nothing moves (the median swaps with itself and the scan does not start)."""
     mid = first + (last - first) // 2
-    a = _median_to_first(a, first, first + 1, mid, last - 1)
-    return _unguarded_partition(a, first + 1, last, first)
+    a = _median_to_first(a, first, first + 1, mid, last - 1, active)
+    return _unguarded_partition(a, first + 1, last, first, active)
 
 
 def _adjust_heap(a, first, hole, length, value):
@@ -137,33 +139,47 @@ def _adjust_heap(a, first, hole, length, value):
     return _set(a, first + h, value)
 
 
-def _heap_steps(a, first, middle, last, sort: bool):
-    """``__heap_select(first, middle, last)``, then ``__sort_heap(first, middle)`` when ``sort``,
-    as one loop whose every step is at most one ``__adjust_heap`` (one copy of it in the program):
-    steps ``s < m0`` build the heap (``__make_heap``), the next ``last - middle`` offer each later
-    element (``__pop_heap`` into its place when it comes before the top), the rest pop the heap
-    down (``__sort_heap``)."""
+def _heap_steps(a, first, middle, last, sort: bool, active=True):
+    """``__heap_select(first, middle, last)``, then ``__sort_heap(first, middle)`` when ``sort``.
+    With ``active`` false, nothing runs.
+
+    Building the heap (``__make_heap``) and popping it down are one loop of ``__adjust_heap``
+    steps, run twice. Between them, each later element is offered, and popped into the heap when
+    it comes before the top; the loop over offers jumps to the next element that does (one
+    vector search a pop), since a pop moves only the heap and the popped place. No step selects
+    between whole arrays, which would cost O(n) a step: a step with nothing to do adjusts a heap
+    of length 0, which writes the top back in place."""
     length = middle - first
     m0 = jnp.where(length < 2, 0, (length - 2) // 2 + 1)
-    scan = last - middle
-    total = m0 + scan + (jnp.maximum(length - 1, 0) if sort else 0)
 
-    def body(s, a):
-        make = s < m0
-        offer = (s >= m0) & (s < m0 + scan)
-        i = middle + (s - m0)  # the offered element
-        end = middle - 1 - (s - m0 - scan)  # __sort_heap's new last
-        hole = jnp.where(make, m0 - 1 - s, 0)
-        src = jnp.where(make, first + hole, jnp.where(offer, i, end))
-        value = _get(a, src)
-        wanted = make | ~offer | (_rank(a, i) < _rank(a, first))
-        a_pop = _move(a, src, first)  # __pop_heap: the top to the popped place
-        a2 = jnp.where(make, a, a_pop)
-        heap_len = jnp.where(offer | make, length, end - first)
-        a2 = _adjust_heap(a2, first, hole, heap_len, value)
-        return jnp.where(wanted, a2, a)
+    def adjust_steps(a, start, stop):  # steps s < m0 build the heap; s >= m0 pop it down
+        def body(s, a):
+            make = s < m0
+            end = middle - 1 - (s - m0)  # __sort_heap's new last
+            hole = jnp.where(make, m0 - 1 - s, 0)
+            src = jnp.where(make, first + hole, end)
+            value = _get(a, src)
+            a = _move(a, src, jnp.where(make, src, first))  # __pop_heap: the top to src
+            return _adjust_heap(a, first, hole, jnp.where(make, length, end - first), value)
 
-    return lax.fori_loop(0, total, body, a)
+        return lax.fori_loop(start, stop, body, a)
+
+    a = adjust_steps(a, 0, jnp.where(active, m0, 0))
+    positions = lax.iota(_I64, a.shape[0])
+
+    def next_offer(a, i):  # the first place >= i, before last, whose element comes before the top
+        wanted = (positions >= i) & (positions < last) & ((a >> 32) < _rank(a, first))
+        return jnp.where(jnp.any(wanted), jnp.argmax(wanted), last)
+
+    def offer(c):
+        a, i = c
+        value = _get(a, i)
+        a = _move(a, i, first)
+        a = _adjust_heap(a, first, 0, length, value)
+        return a, next_offer(a, i + 1)
+
+    a, _ = lax.while_loop(lambda c: c[1] < last, offer, (a, jnp.where(active, next_offer(a, middle), last)))
+    return adjust_steps(a, m0, jnp.where(active & sort, m0 + jnp.maximum(length - 1, 0), m0))
 
 
 def _nth_element(a, nth: int):
@@ -193,22 +209,19 @@ def _sort(a, last: int):
         return a
     stack = jnp.zeros((_STACK, 3), _I64).at[0].set(jnp.array([0, last, 2 * _lg(last)], _I64))
 
-    def body(c):
+    def body(c):  # one range off the stack: leave it (16 or fewer), heapsort it, or split it
         a, stack, top = c
         first, end, depth = stack[top - 1, 0], stack[top - 1, 1], stack[top - 1, 2]
         top = top - 1
-
-        def heapsort():  # __partial_sort(first, end, end)
-            return _heap_steps(a, first, end, end, sort=True), stack, top
-
-        def split():
-            a2, cut = _partition_pivot(a, first, end)
-            both = jnp.stack([jnp.stack([cut, end, depth - 1]), jnp.stack([first, cut, depth - 1])])
-            s = lax.dynamic_update_slice(stack, both, (top, 0))
-            return a2, s, top + 2
-
-        branch = jnp.where(end - first > _SORT_THRESHOLD, jnp.where(depth == 0, 1, 2), 0)
-        return lax.switch(branch, [lambda: (a, stack, top), heapsort, split])
+        big = end - first > _SORT_THRESHOLD
+        split = big & (depth > 0)
+        # both run every time, one of them (or neither) active: a switch between them would copy
+        # the row at every range
+        a = _heap_steps(a, first, end, end, sort=True, active=big & (depth == 0))  # __partial_sort
+        a, cut = _partition_pivot(a, first, end, split)
+        both = jnp.stack([jnp.stack([cut, end, depth - 1]), jnp.stack([first, cut, depth - 1])])
+        stack = jnp.where(split, lax.dynamic_update_slice(stack, both, (top, 0)), stack)
+        return a, stack, jnp.where(split, top + 2, top)
 
     a, _, _ = lax.while_loop(lambda c: c[2] > 0, body, (a, stack, jnp.int64(1)))
     return _stable_sort_range(a, 0, last)
@@ -260,8 +273,12 @@ def topk_indices(sorted_values, order, k: int):
         rank = _ranks(sorted_values, order.astype(_I32))
 
         def row(i, out):
-            replayed = lambda: lax.dynamic_update_index_in_dim(out, cpu_topk_row(_get(rank, i), k), i, 0)  # noqa: E731
-            return lax.cond(_get(tied, i), replayed, lambda: out)
+            ranks = _get(rank, i)  # read outside the cond, which would otherwise take all rows
+
+            def replayed(out, ranks):
+                return lax.dynamic_update_index_in_dim(out, cpu_topk_row(ranks, k), i, 0)
+
+            return lax.cond(_get(tied, i), replayed, lambda out, ranks: out, out, ranks)
 
         return lax.fori_loop(0, sorted_values.shape[0], row, fast)
 
