@@ -147,8 +147,7 @@ def _heap_steps(a, first, middle, last, sort: bool, active=True):
     steps, run twice. Between them, each later element is offered, and popped into the heap when
     it comes before the top; the loop over offers jumps to the next element that does (one
     vector search a pop), since a pop moves only the heap and the popped place. No step selects
-    between whole arrays, which would cost O(n) a step: a step with nothing to do adjusts a heap
-    of length 0, which writes the top back in place."""
+    between whole arrays, which would cost O(n) a step."""
     length = middle - first
     m0 = jnp.where(length < 2, 0, (length - 2) // 2 + 1)
 
