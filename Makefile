@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(PINNED_TORCH)" || $(BIN)/pip install -q "torch>=2.11,<2.16"
 	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/python -c "import sys, torch_tpu._extension as e; sys.exit(e.main())"
+	$(BIN)/python -c "import sys, torch_tpu.core.extension as e; sys.exit(e.main())"
 	touch $(STAMP)
 
 # .venv-torch<version>: one venv per extra torch version, with the package installed editable.
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	.venv-torch$*/bin/pip install -q --upgrade pip
 	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q "torch==$*" $(if $(filter $*,$(OLDEST_TORCH)),"jax==$(OLDEST_JAX)" "jaxlib==$(OLDEST_JAX)")
 	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q -e ".[test]"
-	.venv-torch$*/bin/python -c "import sys, torch_tpu._extension as e; sys.exit(e.main())"
+	.venv-torch$*/bin/python -c "import sys, torch_tpu.core.extension as e; sys.exit(e.main())"
 	touch $@
 
 demo: $(STAMP)

@@ -10,7 +10,7 @@ package. It does only what has to exist before first use:
 * the device guard and hooks, so the autograd engine gives tpu a queue at the process's first
   backward (a device registered after that backward has none: the old import-order trap);
 * ``torch.tpu``, a small module whose cheap functions (``is_available``) answer without JAX and
-  whose other attributes come from ``torch_tpu._device`` once the package is imported;
+  whose other attributes come from ``torch_tpu.device.tpu_module`` once the package is imported;
 * a dispatcher fallback for the tpu key: the first op on a tpu tensor imports ``torch_tpu`` (JAX
   starts then), removes this fallback and re-runs the op on the real kernels;
 * the ``tpu`` c10d backend name and ``pin_memory`` for tpu (both import nothing heavy);
@@ -44,7 +44,7 @@ _pinning_lib: list[torch.library.Library] = []
 
 # torch.tpu attributes answered here, without importing torch_tpu (so without JAX).
 _LIGHT = ("is_available", "is_initialized", "_is_in_bad_fork", "current_device", "get_amp_supported_dtype",
-          "is_bf16_supported")
+          "is_bf16_supported", "take_lost_exception")
 
 
 def autoload() -> None:
@@ -85,7 +85,7 @@ def ensure_initialized() -> None:
         return
     with _init_lock:
         if not _initialized:
-            import torch_tpu  # noqa: F401
+            import torch_tpu  # noqa: F401  (forced: this hook runs inside ``import torch``; JAX loads at first use)
 
 
 # ------------------------------------------------------------------ cheap answers (no JAX)
@@ -136,7 +136,8 @@ def is_available() -> bool:
     multi-controller runtime; creating a PJRT client here would make that impossible. So until JAX
     has started, the answer comes from the installed plugins; afterwards, from the devices."""
     if _jax_backends_started():
-        return sys.modules["torch_tpu._device"].device_count() > 0 if "torch_tpu._device" in sys.modules else True
+        device = sys.modules.get("torch_tpu.device.tpu_module")
+        return device.device_count() > 0 if device is not None else True
     return _platform_present(_requested_platform())
 
 
@@ -149,7 +150,7 @@ def _is_in_bad_fork() -> bool:
 
 
 def current_device() -> int:
-    return 0  # tensors live on tpu:0 (see torch_tpu._device)
+    return 0  # tensors live on tpu:0 (see torch_tpu.device.tpu_module)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -161,16 +162,16 @@ def is_bf16_supported() -> bool:
 
 
 class _DeviceModule(types.ModuleType):
-    """``torch.tpu``: the cheap functions above, then ``torch_tpu._device`` for everything else.
+    """``torch.tpu``: the cheap functions above, then ``torch_tpu.device.tpu_module`` for everything else.
 
-    An attribute is looked up in ``torch_tpu._device`` once and kept here, so later calls cost
+    An attribute is looked up in ``torch_tpu.device.tpu_module`` once and kept here, so later calls cost
     what a plain module attribute costs."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         ensure_initialized()
-        device = sys.modules["torch_tpu._device"]
+        device = sys.modules["torch_tpu.device.tpu_module"]
         try:
             value = getattr(device, name)
         except AttributeError:
@@ -180,8 +181,8 @@ class _DeviceModule(types.ModuleType):
 
     def __dir__(self) -> list[str]:
         names = set(super().__dir__())
-        if "torch_tpu._device" in sys.modules:
-            names.update(n for n in vars(sys.modules["torch_tpu._device"]) if not n.startswith("_"))
+        if "torch_tpu.device.tpu_module" in sys.modules:
+            names.update(n for n in vars(sys.modules["torch_tpu.device.tpu_module"]) if not n.startswith("_"))
         return sorted(names)
 
 
@@ -276,7 +277,7 @@ def _register_pinning() -> None:
 def _c10d_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
     """Builds the ``tpu`` c10d process group; its module is imported on first use."""
     ensure_initialized()
-    from torch_tpu.distributed.c10d import TPUProcessGroup
+    from torch_tpu.distributed.c10d import TPUProcessGroup  # forced: c10d asks for it after import torch
 
     return TPUProcessGroup(store, rank, size, timeout)
 
@@ -364,7 +365,7 @@ def route_inductor(compile_fx_module: types.ModuleType) -> None:
 
     def compile_fx(model_: Any, example_inputs_: Any, *args: Any, **kwargs: Any) -> Any:
         if _graph_on_tpu(model_, example_inputs_):
-            from torch_tpu.integrations.inductor import compile_tpu_graph
+            from torch_tpu.integrations.inductor import compile_tpu_graph  # forced: inductor loads after torch
 
             return compile_tpu_graph(model_, example_inputs_, *args, **kwargs)
         return original(model_, example_inputs_, *args, **kwargs)

@@ -52,7 +52,7 @@ def test_streams_and_events():
 
 def test_memory_functions_answer_from_xla_or_raise():
     A.empty_cache()
-    stats = torch_tpu._device._memory_stats_or_none(torch_tpu._device.jax_device(0))
+    stats = torch_tpu.device.tpu_module._memory_stats_or_none(torch.tpu.jax_device(0))
     if not stats:  # XLA:CPU keeps no statistics: an error naming it, never a made-up 0
         for f in (A.memory_stats, A.memory_allocated, A.max_memory_allocated, A.memory_reserved,
                   A.get_memory_info):

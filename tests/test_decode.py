@@ -114,7 +114,7 @@ def _generate_counting(m, prompt, new, **kw):
 def test_generate_compiles_nothing_between_the_8th_and_32nd_token(model, how):
     """The first generate() call with a static cache: transformers' own decoding loop, unchanged.
     The ids and the mask that grow by a column per token are small integer tensors whose shapes are
-    new at every call, so after a few lengths their ops run on the host (torch_tpu._shape_churn)
+    new at every call, so after a few lengths their ops run on the host (torch_tpu.dispatch.host_placement)
     and every program the step needs is already compiled. Greedy tokens are CPU's."""
     prompt = _prompt(batch=2, length=8)
     kw = dict(do_sample=False)
@@ -151,9 +151,9 @@ def test_without_the_host_path_generate_names_the_growing_sequence_as_the_cause(
     """With TORCH_TPU_HOST_CHURN=0, generate() extends input_ids and the attention mask by one
     column per token (torch.cat): with static shapes that is a program per length, even with a
     static cache. The reasons and the warning say so, and point at the fix."""
-    from torch_tpu import _shape_churn
+    from torch_tpu.dispatch import host_placement as _host_placement
 
-    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)
+    monkeypatch.setattr(_host_placement, "CHURN_AFTER", 0)
     monkeypatch.setattr(cache, "RECOMPILE_WARN", 4)
     cache._warned_sites.clear()
     cache._site_recompiles.clear()

@@ -53,7 +53,7 @@ def test_memory_stats_never_made_up():
 
 
 def test_memory_summary_tabulates_xlas_statistics(monkeypatch):
-    import torch_tpu._device as device
+    import torch_tpu.device.tpu_module as device
 
     try:
         torch.tpu.memory_stats()
@@ -124,8 +124,8 @@ def _draws(g):
 
 
 _tpu_generators = pytest.mark.skipif(
-    not torch_tpu._extension.available(),
-    reason=f"torch_tpu's C++ extension: {torch_tpu._extension.why_not()}")
+    not torch_tpu.core.extension.available(),
+    reason=f"torch_tpu's C++ extension: {torch_tpu.core.extension.why_not()}")
 
 
 @_tpu_generators
@@ -180,7 +180,7 @@ def test_making_a_tpu_generator_warns_nothing_even_with_warnings_as_errors():
 def test_a_tpu_generator_seeds_a_cpu_fallback_kernel():
     """A random op served by the CPU fallback gets a CPU generator seeded from the tpu one's seed
     and next offset: reproducible, and each call advances the tpu generator."""
-    from torch_tpu import _fallback
+    from torch_tpu.dispatch import fallback as _fallback
 
     def draw(g):
         return _fallback.cpu_fallback(torch.ops.aten.randn.generator, ([3],), {"generator": g, "device": "tpu"})
@@ -194,7 +194,7 @@ def test_a_tpu_generator_seeds_a_cpu_fallback_kernel():
 def test_without_the_extension_the_package_loads_and_says_why(tmp_path, monkeypatch):
     """No compiler at set-up: nothing is loaded, the reason names the missing build, and the rest
     of torch_tpu is unaffected (a CPU generator still seeds tpu random ops)."""
-    from torch_tpu import _extension
+    from torch_tpu.core import extension as _extension
 
     monkeypatch.setattr(_extension, "build_dir", lambda: tmp_path / "nothing-built")
     monkeypatch.setattr(_extension, "_loaded", [])
@@ -313,7 +313,7 @@ def test_import_after_a_backward_pass_warns():
     # imported first (as here), the engine has a tpu thread: no warning, and backward works
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch_tpu._device.check_autograd_engine()
+        torch_tpu.device.tpu_module.check_autograd_engine()
     x = torch.ones(2, device="tpu", requires_grad=True)
     (x * 3).sum().backward()
     assert x.grad.cpu().tolist() == [3.0, 3.0]
@@ -348,7 +348,7 @@ def test_record_stream_is_accepted_as_on_cuda():
     assert torch.equal(t.cpu(), torch.arange(4.0))
 
 
-@pytest.mark.skipif(not torch_tpu._extension.available(), reason="needs the C++ extension")
+@pytest.mark.skipif(not torch_tpu.core.extension.available(), reason="needs the C++ extension")
 def test_device_guards_ask_python_nothing_and_answer_as_before(monkeypatch):
     """With the extension, tpu device guards are answered in C++: a training step with backward
     calls the Python guard's ``type_`` not once (torch's Python registration called it over a

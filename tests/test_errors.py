@@ -90,9 +90,9 @@ def test_lowering_failure_names_the_op(monkeypatch):
     def broken(self):
         raise ValueError("boom")
 
-    from torch_tpu import _dispatch
+    from torch_tpu.dispatch import op_kernel as _op_kernel
 
-    kernel = _dispatch._OpKernel(op, _registry.Lowering(broken), "functional")
+    kernel = _op_kernel._OpKernel(op, _registry.Lowering(broken), "functional")
     with pytest.raises(ValueError, match=r"aten\.neg\.default\(float32\[2\]\).*: boom"):  # its own type
         kernel(torch.ones(2, device="tpu")).cpu()  # in fused mode the error surfaces at the sync
     assert lowering.fn is not broken
@@ -261,13 +261,13 @@ def test_lowering_and_kernel_errors_have_cpu_type_and_message(f):
 
 def test_error_inside_a_lowering_keeps_its_type_and_names_the_op():
     """A JAX error while tracing a lowering is not re-raised as RuntimeError('tpu: ... failed')."""
-    from torch_tpu import _dispatch
+    from torch_tpu.dispatch import op_kernel as _op_kernel
     from torch_tpu.ops import _registry
 
     def bad(self):
         raise IndexError("lowering's own check")
 
-    kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
+    kernel = _op_kernel._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
     with pytest.raises(IndexError, match=r"^aten\.neg\.default\(float32\[3\]\): lowering's own check") as e:
         kernel(torch.ones(3, device="tpu")).cpu()
     assert isinstance(e.value.__cause__, IndexError)  # the lowering's traceback is kept
@@ -282,7 +282,7 @@ class _NotOurs(Exception):
 
 
 def test_foreign_exceptions_pass_through_untouched():
-    from torch_tpu import _dispatch
+    from torch_tpu.dispatch import op_kernel as _op_kernel
     from torch_tpu.ops import _registry
 
     raised = _NotOurs(7)
@@ -290,7 +290,7 @@ def test_foreign_exceptions_pass_through_untouched():
     def bad(self):
         raise raised
 
-    kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
+    kernel = _op_kernel._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(bad), "functional")
     with pytest.raises(_NotOurs) as e:
         kernel(torch.ones(4, device="tpu")).cpu()
     assert e.value is raised and e.value.code == 7 and str(e.value) == "7"

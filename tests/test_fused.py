@@ -132,7 +132,7 @@ def test_step_program_leaves_out_dropped_gradients(fused_mode):
 def test_parameters_updated_in_place_keep_their_buffers(fused_mode):
     """A donated parameter must be paired with its own update, not with another output of its shape
     (its gradient): XLA then writes the new value over the old one instead of copying it."""
-    from torch_tpu import _storage
+    from torch_tpu.tensor import storage as _storage
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to("tpu")
@@ -176,10 +176,10 @@ def _broken(self):
 
 
 def test_lowering_error_surfaces_at_the_op_as_in_strict_mode(fused_mode):
-    from torch_tpu import _dispatch
+    from torch_tpu.dispatch import op_kernel as _op_kernel
     from torch_tpu.ops import _registry
 
-    bad_kernel = _dispatch._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(_broken), "functional")
+    bad_kernel = _op_kernel._OpKernel(torch.ops.aten.neg.default, _registry.Lowering(_broken), "functional")
     with pytest.raises(ValueError, match=r"aten\.neg\.default\(float32\[2\]\): broken lowering"):
         bad_kernel(torch.ones(2, device="tpu"))  # traced abstractly when recorded
 

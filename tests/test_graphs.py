@@ -450,7 +450,7 @@ def test_a_capture_that_repeats_an_earlier_one_takes_its_executable():
 
 
 _ACCELERATOR_GRAPH = pytest.mark.skipif(
-    not hasattr(torch.accelerator, "Graph") or not torch_tpu._extension.available(),
+    not hasattr(torch.accelerator, "Graph") or not torch_tpu.core.extension.available(),
     reason="torch.accelerator.Graph (torch >= 2.13) and torch_tpu's C++ extension, which registers it for tpu")
 
 
@@ -498,7 +498,7 @@ def test_accelerator_graph_is_the_tpu_graph():
             (xt * 2).sum().item()
 
 
-@pytest.mark.skipif(not hasattr(torch.accelerator, "empty_host_cache") or not torch_tpu._extension.available(),
+@pytest.mark.skipif(not hasattr(torch.accelerator, "empty_host_cache") or not torch_tpu.core.extension.available(),
                     reason="torch.accelerator.empty_host_cache (torch >= 2.13) and torch_tpu's C++ extension")
 def test_empty_host_cache_once_the_device_is_used():
     # torch asks the accelerator's host allocator, which the extension registers: without one,

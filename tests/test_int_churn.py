@@ -1,5 +1,5 @@
 """Python ints that change at every call of one op line become runtime inputs of its programs
-(torch_tpu/_int_churn.py): against CPU, the same values and dtypes, a bounded number of compiles,
+(torch_tpu/dispatch/runtime_ints.py): against CPU, the same values and dtypes, a bounded number of compiles,
 and the ints of other lines, and of dims and sizes, left as constants."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torch_tpu
-from torch_tpu import EagerMode, _int_churn
+from torch_tpu import EagerMode
+from torch_tpu.dispatch import runtime_ints as _runtime_ints
 
 VALUES = list(range(40, 52))  # values no other test uses, so every program here is new
 
@@ -35,7 +36,7 @@ def test_a_changing_int_compiles_a_bounded_number_of_programs_and_matches_cpu(mo
             want = _scaled(x, k)
             assert got.dtype == want.dtype and torch.equal(got.cpu(), want), (k, got.cpu(), want)
             counts.append(_compiles())
-    assert counts[-1] == counts[_int_churn.CHURN_AFTER + 1], counts  # nothing compiles after the first few values
+    assert counts[-1] == counts[_runtime_ints.CHURN_AFTER + 1], counts  # nothing compiles after the first few values
 
 
 def test_other_lines_and_dims_keep_their_ints_as_constants():
@@ -56,7 +57,7 @@ def test_other_lines_and_dims_keep_their_ints_as_constants():
 
 
 def test_the_promotion_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(_int_churn, "CHURN_AFTER", 0)
+    monkeypatch.setattr(_runtime_ints, "CHURN_AFTER", 0)
     x = torch.arange(8.0, device="tpu")
     before = _compiles()
     for k in range(60, 66):

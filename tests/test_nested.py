@@ -16,8 +16,8 @@ from torch import nn
 import torch_tpu
 
 pytestmark = [
-    pytest.mark.skipif(not torch_tpu._extension.available(),
-                       reason=f"torch_tpu's C++ extension: {torch_tpu._extension.why_not()}"),
+    pytest.mark.skipif(not torch_tpu.core.extension.available(),
+                       reason=f"torch_tpu's C++ extension: {torch_tpu.core.extension.why_not()}"),
     pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage"),
     pytest.mark.filterwarnings("ignore:tpu. .* has no lowering"),
     pytest.mark.filterwarnings("ignore:enable_nested_tensor is True"),
@@ -137,6 +137,6 @@ def test_unserved_views_and_a_missing_extension_raise_naming_the_op(monkeypatch)
     t = torch.nested.nested_tensor(_parts(4), device="tpu")
     with pytest.raises(NotImplementedError, match=r"aten\.expand\.default on a nested tpu tensor: views"):
         torch.ops.aten.expand.default(t, [3, -1, 6])
-    monkeypatch.setattr(torch_tpu._extension, "available", lambda: False)
+    monkeypatch.setattr(torch_tpu.core.extension, "available", lambda: False)
     with pytest.raises(NotImplementedError, match=r"aten\.relu\.default on a nested tpu tensor: .*C\+\+ extension"):
         torch.relu(t)

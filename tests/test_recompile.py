@@ -10,8 +10,8 @@ import torch
 
 import torch_tpu
 from torch_tpu import EagerMode
-from torch_tpu._storage import base_array
 from torch_tpu.runtime import cache, fused
+from torch_tpu.tensor.storage import base_array
 
 
 @pytest.fixture
@@ -158,9 +158,9 @@ def test_metrics_and_cache_stats_count_the_same_compiles(fused_mode):
 def test_strict_mode_explains_an_op_that_recompiles_at_one_line(monkeypatch):
     """In the default (strict) mode each op is its own program: the same op at the same line compiling
     again is a recompile too, with the first difference named, and warned about once it repeats."""
-    from torch_tpu import _shape_churn
+    from torch_tpu.dispatch import host_placement as _host_placement
 
-    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)  # a growing sequence compiles per length
+    monkeypatch.setattr(_host_placement, "CHURN_AFTER", 0)  # a growing sequence compiles per length
     monkeypatch.setattr(cache, "RECOMPILE_WARN", 3)
     with torch_tpu.set_eager_mode(EagerMode.STRICT):
         x = torch.arange(4.0, device="tpu")

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import torch_tpu
-from torch_tpu import _dispatch
 from torch_tpu.compile import backend
+from torch_tpu.dispatch import op_kernel as _op_kernel
 from torch_tpu.ops._registry import LOWERINGS, is_mutating
 
 
@@ -26,7 +26,7 @@ def _served_functional_ops() -> list[torch._ops.OpOverload]:
     """The non-mutating aten overloads with a tpu kernel of ours (graphs are functional: an
     in-place or ``out=`` overload reaches them as its functional twin)."""
     ops = []
-    for name in _dispatch.REGISTERED:
+    for name in _op_kernel.REGISTERED:
         if not name.startswith("aten."):
             continue
         base, _, overload = name.removeprefix("aten.").rpartition(".")
@@ -72,7 +72,7 @@ def test_backward_ops_with_hand_kernels_are_table_entries():
 
 
 def test_every_registered_kernel_counts_its_calls():
-    assert all(getattr(k, "counts_itself", False) for k in _dispatch.KERNELS.values())
+    assert all(getattr(k, "counts_itself", False) for k in _op_kernel.KERNELS.values())
 
 
 def test_hand_kernels_count_in_metrics():
@@ -131,7 +131,6 @@ def test_error_in_a_traced_backward_on_tpu_is_raised_not_an_abort():
         r = _run("""
             import torch, torch_tpu
             from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch_tpu import _device
             with FakeTensorMode():
                 x = torch.randn(5, 3, device="tpu", requires_grad=True)
                 m = torch.ones(5, dtype=torch.bool, device="tpu")
@@ -142,8 +141,47 @@ def test_error_in_a_traced_backward_on_tpu_is_raised_not_an_abort():
                     raise AssertionError("no error")
                 except (SystemError, RuntimeError) as e:
                     raised = e
-            lost = _device.take_lost_exception()
+            lost = torch.tpu.take_lost_exception()
             assert "nonzero" in repr(lost if isinstance(raised, SystemError) else raised), (repr(raised), repr(lost))
             print("ok")
         """, env={**os.environ, "TORCH_TPU_PYTHON_DEVICE_GUARD": python_guard})
         assert r.returncode == 0 and "ok" in r.stdout, (python_guard, r.returncode, r.stderr[-3000:])
+
+
+def _kernel(name: str) -> _op_kernel._OpKernel:
+    kernel = _op_kernel.KERNELS[name]
+    assert isinstance(kernel, _op_kernel._OpKernel), kernel
+    return kernel
+
+
+def test_a_signature_takes_the_slow_path_once_then_runs_its_plan(monkeypatch):
+    """The first call of a signature makes its plan (meta kernel, refusals, program); later calls
+    of the same signature look it up and run it, with CPU's results; a new signature makes one more."""
+    kernel = _kernel("aten.add.Tensor")
+    made = []
+    original = _op_kernel._OpKernel._plan
+    monkeypatch.setattr(_op_kernel._OpKernel, "_plan", lambda self, *a: made.append(self.name) or original(self, *a))
+    x, y = torch.randn(3, 13, dtype=torch.float64), torch.randn(3, 13, dtype=torch.float64)  # shapes no other test adds
+    for _ in range(3):
+        assert torch.equal((x.to("tpu") + y.to("tpu")).cpu(), x + y)
+    assert made.count("aten.add.Tensor") == 1
+    before = len(kernel.plans)
+    assert torch.equal((x[:2].to("tpu") + y[:2].to("tpu")).cpu(), x[:2] + y[:2])
+    assert made.count("aten.add.Tensor") == 2 and len(kernel.plans) == before + 1
+
+
+def test_a_plan_names_the_checks_its_calls_still_make():
+    """A check that depends on values (an index bound) or on which tensors alias which cannot be
+    answered once per signature: the plan names it, and the fast path makes it at every call."""
+    x = torch.randn(5, 3)
+    index = torch.tensor([4, 0])
+    assert torch.equal(torch.index_select(x.to("tpu"), 0, index.to("tpu")).cpu(), torch.index_select(x, 0, index))
+    plans = list(_kernel("aten.index_select.default").plans.values())
+    assert plans and all(any("values" in c for c in p.value_checks) for p in plans), plans
+    with pytest.raises(IndexError):  # the same signature, a value out of range: checked again
+        torch.index_select(x.to("tpu"), 0, torch.tensor([5, 0]).to("tpu")).cpu()
+    a = torch.randn(4).to("tpu")
+    assert torch.equal((a + a).cpu(), (a.cpu() + a.cpu()))
+    assert any(p.value_checks == () for p in _kernel("aten.add.Tensor").plans.values())
+    assert _kernel("aten.add_.Tensor").value_checks  # an in-place write: its overlap with the inputs
+    assert "every call checks" in repr(plans[0])

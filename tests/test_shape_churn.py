@@ -1,4 +1,4 @@
-"""The host path for small integer ops whose shapes are new at every call (torch_tpu._shape_churn),
+"""The host path for small integer ops whose shapes are new at every call (torch_tpu.dispatch.host_placement),
 against CPU: the same values, no compiles once an op line churns, and nothing else affected."""
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def test_one_line_at_a_few_shapes_stays_on_the_device():
 
 
 def test_the_host_path_can_be_turned_off(monkeypatch):
-    from torch_tpu import _shape_churn
+    from torch_tpu.dispatch import host_placement as _host_placement
 
-    monkeypatch.setattr(_shape_churn, "CHURN_AFTER", 0)
+    monkeypatch.setattr(_host_placement, "CHURN_AFTER", 0)
     before = sum(torch_tpu.metrics()["host_op_counts"].values())
     got, _, compiles = _grow("tpu", 8)
     assert torch.equal(got.cpu(), _grow("cpu", 8)[0])

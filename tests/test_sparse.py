@@ -1,4 +1,4 @@
-"""Sparse COO tensors on tpu (torch_tpu/_sparse.py), compared with CPU: the life cycle, coalesce,
+"""Sparse COO tensors on tpu (torch_tpu/dispatch/sparse.py), compared with CPU: the life cycle, coalesce,
 to_dense, the ops SparseAdam needs, nn.Embedding(sparse=True) training, and clear errors."""
 
 from __future__ import annotations

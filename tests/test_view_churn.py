@@ -1,4 +1,4 @@
-"""Ops that meet many view geometries of one shape (torch_tpu._view_churn), against CPU: the same
+"""Ops that meet many view geometries of one shape (torch_tpu.dispatch.view_reads), against CPU: the same
 values and strides, and the ops' own programs no longer compiled once per layout."""
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ FUSED = executor.get_eager_mode() is executor.EagerMode.FUSED
 
 
 def test_many_layouts_of_one_shape_match_cpu_and_stop_compiling_the_ops(monkeypatch):
-    from torch_tpu import _view_churn
+    from torch_tpu.dispatch import view_reads as _view_reads
 
-    monkeypatch.setattr(_view_churn, "CHURN_AFTER", 2)  # from the third geometry of a pattern on
+    monkeypatch.setattr(_view_reads, "CHURN_AFTER", 2)  # from the third geometry of a pattern on
     base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5) / 40  # a shape no other test uses
     compiles = []
     for cpu_view, tpu_view in zip(_layouts(base), _layouts(base.to("tpu"))):

@@ -138,7 +138,7 @@ def test_cpu_scalar_tensor_mixes_like_cuda():
 def test_transpose_of_a_flattened_view_reads_and_writes_without_a_gather():
     """grad.view(-1, D).t() (a Linear's weight gradient on a 3-d input) spans two dims of its base:
     it is read as a reshape and a transpose, not as a gather of every element."""
-    from torch_tpu import _storage
+    from torch_tpu.tensor import storage as _storage
 
     c = torch.randn(2, 3, 4)
     t = c.to("tpu")
@@ -186,7 +186,7 @@ def test_storage_free_and_realloc_without_swap(monkeypatch):
     """torch < 2.13 has no UntypedStorage._swap_data_ptr_, so a storage cannot shrink in C++: resize_(0)
     frees the device array but keeps its size, and FSDP2's cycle (alloc when the size differs, write the
     all-gather into a view, free) still reads what it wrote."""
-    from torch_tpu import _storage
+    from torch_tpu.tensor import storage as _storage
 
     monkeypatch.setattr(_storage, "_CAN_SHRINK", False)
     flat = torch.empty(8, device="tpu")

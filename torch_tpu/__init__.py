@@ -25,34 +25,30 @@ if _PLATFORM:
 # see docs/numerics.md.
 jax.config.update("jax_enable_x64", True)
 
-from torch_tpu import _compat, _device  # noqa: E402
+# This module is where the layers are put together: the ones below never import the light hook
+# (``_torch_tpu_autoload``, which ``torch.tpu`` and the c10d backend come from) nor this module.
+# The device is registered (if ``import torch`` did not) and the C++ extension loaded before the
+# kernels are imported, as their modules make tpu tensors and storages while they load.
+from torch_tpu.core import compat as _compat  # noqa: E402
+from torch_tpu.core import extension as _extension  # noqa: E402
 
 _compat.keep_linalg_checks_in_graphs()
-
-_device.register()
-from torch_tpu import _extension  # noqa: E402
-
+_torch_tpu_autoload.register()  # PrivateUse1 renamed ``tpu``, ``torch.tpu``, the c10d backend (idempotent)
 _extension.load()  # torch.Generator(device="tpu"), where the set-up command built the C++ extension
-from torch_tpu import _module_move  # noqa: E402
 
-_module_move.install()
-
-from torch_tpu import _autocast, _dispatch, _fallback, _host, _kernels, _nested, _sparse, _storage_api, ops  # noqa: E402,F401
-
-_dispatch.register_table()
-_sparse.register()
-_nested.register()
-_torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
-_fallback.register()
-_host.install()
-_storage_api.install()
-_autocast.install()
-ops.conv.install()
-
-from torch_tpu._device import platform  # noqa: E402
+from torch_tpu import ops  # noqa: E402
 from torch_tpu.compile.backend import adjust_dynamo_when_loaded  # noqa: E402
 from torch_tpu.compile.export import export, load  # noqa: E402
+from torch_tpu.core.devices import platform  # noqa: E402
 from torch_tpu.custom import jax_op  # noqa: E402
+from torch_tpu.device import module_move as _module_move  # noqa: E402
+from torch_tpu.device import tpu_module as _tpu_module  # noqa: E402
+from torch_tpu.dispatch import autocast as _autocast  # noqa: E402
+from torch_tpu.dispatch import fallback as _fallback  # noqa: E402
+from torch_tpu.dispatch import hand_kernels as _hand_kernels  # noqa: E402,F401  (registers its kernels)
+from torch_tpu.dispatch import nested as _nested  # noqa: E402
+from torch_tpu.dispatch import op_kernel as _op_kernel  # noqa: E402
+from torch_tpu.dispatch import sparse as _sparse  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime import fused as _fused  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
@@ -61,30 +57,41 @@ from torch_tpu.runtime.metrics import metrics  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 from torch_tpu.runtime.report import metrics_report  # noqa: E402
+from torch_tpu.tensor import serialization as _serialization  # noqa: E402
+from torch_tpu.tensor import storage_api as _storage_api  # noqa: E402
 
+_module_move.install()
+_op_kernel.register_table()
+_sparse.register()
+_nested.register()
+_torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
+_fallback.register()
+_serialization.install()
+_storage_api.install()
+_autocast.install()
+ops.conv.install()
 _cache.configure_persistent_cache()
 adjust_dynamo_when_loaded()  # Dynamo never traces our kernels, whichever backend runs (see there)
 if not _torch_tpu_autoload.autoloaded():  # registered during ``import torch``, before any backward
-    _device.check_autograd_engine()
+    _tpu_module.check_autograd_engine()
 _fused.step_boundary(get_eager_mode() is EagerMode.FUSED)
-# the ``tpu`` c10d backend (``dist.init_process_group("tpu")``, and ``init_process_group()``'s default
-# for tpu) is registered by _device.register(), through _torch_tpu_autoload
 _torch_tpu_autoload.mark_initialized()
+
+
+def __getattr__(name: str):
+    """``torch_tpu.TPUEstimator`` and ``torch_tpu.History``, imported on first use: the estimator
+    brings :mod:`torch_tpu.distributed`, safetensors and tqdm, which ``import torch_tpu`` never loads."""
+    if name in ("TPUEstimator", "History"):
+        from torch_tpu import estimator  # on demand: see the docstring
+
+        return getattr(estimator, name)
+    raise AttributeError(f"module 'torch_tpu' has no attribute {name!r}")
 
 
 def sync() -> None:
     """Runs what fused mode recorded (the explicit trace boundary) and waits for queued device work.
     Never required: every host read is a sync point too."""
-    _device.synchronize()
-
-
-def __getattr__(name: str):
-    """``torch_tpu.TPUEstimator`` and ``torch_tpu.History``, imported on first use (import time matters)."""
-    if name in ("TPUEstimator", "History"):
-        from torch_tpu import estimator
-
-        return getattr(estimator, name)
-    raise AttributeError(f"module 'torch_tpu' has no attribute {name!r}")
+    _tpu_module.synchronize()
 
 
 __all__ = [

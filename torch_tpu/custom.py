@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import torch
 
-from torch_tpu import _dtypes
-from torch_tpu._dispatch import lowering_kernel, register_kernel
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.dispatch.op_kernel import lowering_kernel, register_kernel
 from torch_tpu.ops._registry import LOWERINGS, Lowering
 
 NAMESPACE = "torch_tpu_ops"

@@ -56,6 +56,10 @@ from typing import Any
 import torch
 
 import torch_tpu
+from torch_tpu.bench import decode, distributed, workloads
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.estimator import TPUEstimator
+from torch_tpu.estimator.execution import compile_counters
 
 
 def _per_op_us(fn, x, y, n: int, sync) -> float:
@@ -145,9 +149,6 @@ def _estimator_train(workload: str, steps: int, warmup: int) -> dict:
     the same weights, over a loader of the fixed batch. A step-end callback that reads the loss at
     the windows' ends (so their queued work is done) times them, and it alone reads the loss. The
     first step's time is that of the first two: the fused warm-up step and the capture."""
-    from torch_tpu.bench import workloads
-    from torch_tpu.estimator import TPUEstimator
-
     model, step, tokens = workloads.make(workload, "cpu")
     x, y = step.data
     total = warmup + 1 + 3 * steps
@@ -177,8 +178,6 @@ def _estimator_train(workload: str, steps: int, warmup: int) -> dict:
 
 
 def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
-    from torch_tpu.bench import workloads
-
     if mode == "estimator":
         return _estimator_train(workload, steps, warmup)
 
@@ -230,9 +229,6 @@ def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 
     ``predict`` over the same loader (its second pass: samples/s and milliseconds per batch)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from torch_tpu.bench import workloads
-    from torch_tpu.estimator import TPUEstimator
-
     model, step, _ = workloads.make(workload, "cpu")
     x, y = step.data
     n = warmup + 3 * steps
@@ -262,11 +258,6 @@ def predict(workload: str, batches: int, mode: str) -> dict:
     import jax
     import numpy as np
     from torch.utils.data import DataLoader, TensorDataset
-
-    from torch_tpu import _dtypes
-    from torch_tpu.bench import workloads
-    from torch_tpu.estimator import TPUEstimator
-    from torch_tpu.estimator.execution import compile_counters
 
     model, step, _ = workloads.make(workload, "cpu")
     model.eval()
@@ -326,15 +317,11 @@ def _estimator_table(workload: str, mode: str, steps: int, counts: list[int]) ->
 
 
 def workloads_batch(workload: str) -> int:
-    from torch_tpu.bench import workloads
-
     return 128 if workload == "mlp" else workloads.SIZES[workload][5]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("allreduce", "ddp", "fsdp"):  # multi-process: bench/distributed.py
-        from torch_tpu.bench import distributed
-
         distributed.main(sys.argv[1:])
         return
     p = argparse.ArgumentParser(prog="python -m torch_tpu.bench")
@@ -373,8 +360,6 @@ def main() -> None:
               f"{'jax':10s} {r['jax_samples_per_s']:10.1f}\npredict / jax: {r['ratio']:.3f}; "
               f"programs compiled per pass: {r['compiles_per_pass']}")
     if a.cmd == "decode":
-        from torch_tpu.bench import decode
-
         if a.threads:
             torch.set_num_threads(a.threads)
         print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")

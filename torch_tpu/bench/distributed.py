@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from torch_tpu.distributed.c10d import TPUProcessGroup
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +37,6 @@ def _init(rank: int, n: int, port: int, path: str) -> None:
     os.environ["TORCH_TPU_DIST_PATH"] = path
     import torch.distributed as dist
 
-    import torch_tpu.distributed  # noqa: F401
 
     dist.init_process_group("cpu:gloo,tpu:tpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=120))
@@ -81,7 +82,6 @@ def _train_worker(rank: int, n: int, port: int, steps: int, wrap: str, path: str
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from torch_tpu.distributed.c10d import TPUProcessGroup
 
     if n > 1:
         _init(rank, n, port, path)

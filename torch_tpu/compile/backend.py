@@ -36,13 +36,16 @@ import numpy as np
 import torch
 import torch._decomp
 
-from torch_tpu import _checks as value_checks
-from torch_tpu import _device, _dtypes, _rng, _storage
-from torch_tpu._storage import TPU_DEVICE, is_tpu, new_tensor, read, write
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.core import rng as _rng
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
+from torch_tpu.ops.indexing import INDEX_CHECKS
 from torch_tpu.runtime import executor, fused, metrics
 from torch_tpu.runtime.executor import EagerMode, Program, execute
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor import value_checks
+from torch_tpu.tensor.storage import TPU_DEVICE, is_tpu, new_tensor, read, write
 
 _EARLY_MODES = (EagerMode.FUSED, EagerMode.STRICT)
 
@@ -119,9 +122,9 @@ GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
                             "breaks the graph there",
     aten._new_zeros_with_same_feature_meta.default: "forward-mode AD calls it on concrete tensors to make a "
                                                     "view's tangent; AOTAutograd's graphs do not name it",
-    aten._assert_async.default: "an eager value check (a deferred check, _kernels._assert_async); functionalized "
+    aten._assert_async.default: "an eager value check (a deferred check, hand_kernels._assert_async); functionalized "
                                 "graphs hold _functional_assert_async, not lowered yet",
-    aten._assert_async.msg: "an eager value check (a deferred check, _kernels._assert_async); functionalized "
+    aten._assert_async.msg: "an eager value check (a deferred check, hand_kernels._assert_async); functionalized "
                             "graphs hold _functional_assert_async, not lowered yet",
 }
 
@@ -276,11 +279,10 @@ def _value_checks(n: torch.fx.Node) -> list[tuple]:
     """The value checks eager mode makes for node ``n``'s op (index bounds, class targets, integer
     division by zero), as ``(node checked, predicate, params, error, position)``. Found by running
     the op's own check on the traced values of the node's arguments with the checks collected, not
-    made (``_checks.collecting``): one rule for eager ops and graphs. A check that needs more than
+    made (``value_checks.collecting``): one rule for eager ops and graphs. A check that needs more than
     traced values (a value read on the host, a random op's) gives none, as before."""
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return []
-    from torch_tpu.ops.indexing import INDEX_CHECKS
 
     check = INDEX_CHECKS.get(n.target)
     if check is None:
@@ -409,7 +411,7 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
     device_mutations = [n for n in mutations if n not in skip]
     # value checks a graph cannot raise at the op: each becomes an extra output, nonzero when failed
     # (value, error, metas): ``value(env)`` gives one array per meta. One array: nonzero where the
-    # check failed (``error(first nonzero value)``); three: ``_checks.first_bad``'s (failed, first
+    # check failed (``error(first nonzero value)``); three: ``value_checks.first_bad``'s (failed, first
     # bad value, its flat index), ``error`` then (the error builder, whether it takes the index, the
     # position of the graph input checked or None, the predicate, its parameters)
     checked: list[tuple[Callable[[dict], Any], Any, list]] = []
@@ -941,17 +943,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
 _SKIPPED: list[str] = []
 
 
+# Whole layers where they can be: every module of core, runtime, tensor, ops, dispatch and compile runs
+# beneath the dispatcher; of the device layer, what a kernel or a capture calls.
 _BENEATH_THE_DISPATCHER = (
-    "torch_tpu._dispatch", "torch_tpu._kernels", "torch_tpu._storage", "torch_tpu._fallback", "torch_tpu._host",
-    "torch_tpu._autocast", "torch_tpu._dtypes", "torch_tpu._rng", "torch_tpu._device", "torch_tpu._meta",
-    "torch_tpu._checks", "torch_tpu._out_dtypes", "torch_tpu._shape_churn", "torch_tpu._int_churn", "torch_tpu._sparse",
-    "torch_tpu._nested", "torch_tpu._compat", "torch_tpu._extension", "torch_tpu._math_bits", "torch_tpu._overlap",
-    "torch_tpu._storage_api", "torch_tpu._legacy_storage", "torch_tpu._view_churn", "torch_tpu.runtime",
-    "torch_tpu.ops", "torch_tpu.compile",
+    "torch_tpu.core", "torch_tpu.runtime", "torch_tpu.tensor", "torch_tpu.ops", "torch_tpu.dispatch",
+    "torch_tpu.compile", "torch_tpu.device.tpu_module", "torch_tpu.device.graphs", "torch_tpu.device.graphed_callables",
     "jax", "jaxlib", "ml_dtypes",
 )
-# torch_tpu's private modules that user code calls directly, above the dispatcher: Dynamo may trace them
-TRACEABLE_PRIVATE = ("torch_tpu._module_move", "torch_tpu._streams")
+# torch_tpu's modules below the public surface that user code calls directly, above the dispatcher:
+# Dynamo may trace them
+TRACEABLE_PRIVATE = ("torch_tpu.device.module_move", "torch_tpu.device.streams")
 
 
 def skip_our_frames(trace_rules: Any = None) -> None:
@@ -1122,8 +1123,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None
             gm, example_inputs, fw_compiler=_compile, bw_compiler=_compile, inference_compiler=_compile_inference,
             decompositions=_decompositions(), keep_inference_input_mutations=True,
         )
-    except SystemError as e:  # an error of the backward's trace, lost by torch's engine (see _device._Guard)
-        lost = _device.take_lost_exception()
+    except SystemError as e:  # an error of the backward's trace, lost by torch's engine (_torch_tpu_autoload._Guard)
+        lost = torch.tpu.take_lost_exception()
         if lost is None:
             raise
         if not isinstance(lost, _DATA_DEPENDENT):

@@ -18,9 +18,9 @@ from torch._decomp import core_aten_decompositions
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
-from torch_tpu import _dtypes
 from torch_tpu.compile import serve
 from torch_tpu.compile.backend import lower_graph
+from torch_tpu.core import dtypes as _dtypes
 
 
 def _host(x: Any) -> Any:

@@ -1,7 +1,7 @@
 // torch.Generator(device="tpu"): the one thing this extension adds. PyTorch's Python backend hooks
 // (torch._C._acc) cannot make a generator for PrivateUse1; torch asks the factory registered here.
 // The generator holds a seed and an offset; torch_tpu's random ops read both (initial_seed,
-// get_offset) and advance the offset, drawing the numbers on the device (torch_tpu/_rng.py).
+// get_offset) and advance the offset, drawing the numbers on the device (torch_tpu/core/rng.py).
 #include <ATen/core/Generator.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <c10/core/GeneratorImpl.h>

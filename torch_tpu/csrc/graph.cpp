@@ -1,7 +1,7 @@
 // torch.accelerator.Graph on tpu. From torch 2.13 the device-generic graph class asks a registry for
 // the current accelerator's implementation of at::GraphImplInterface, which PyTorch's Python
 // backend hooks cannot provide. The capture and replay themselves are Python's
-// (torch_tpu.runtime.graphs.TPUGraph, torch.tpu.graph's class): the implementation registered here
+// (torch_tpu.device.graphs.TPUGraph, torch.tpu.graph's class): the implementation registered here
 // holds one TPUGraph and forwards each call to it, so device-generic code and torch.tpu code share
 // one capture. Where torch has no such interface (2.11, 2.12) this file registers nothing.
 #if __has_include(<ATen/core/GraphImplInterface.h>)
@@ -29,7 +29,7 @@ const char* mode_name(at::GraphCaptureMode mode) {
 struct TPUGraphImpl : public at::GraphImplInterface {
   explicit TPUGraphImpl(const at::GraphImplArgs& args) : pool_{0, next_pool++} {
     py::gil_scoped_acquire gil;
-    py::object cls = py::module_::import("torch_tpu.runtime.graphs").attr("TPUGraph");
+    py::object cls = py::module_::import("torch_tpu.device.graphs").attr("TPUGraph");
     graph_ = new py::object(cls(args.keep_graph));
   }
 

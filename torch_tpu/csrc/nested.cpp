@@ -5,7 +5,7 @@
 // to CPU. The at::native functions below are device-generic: their arithmetic is dense ops on the
 // buffer, which reach torch_tpu's own PrivateUse1 kernels, so they serve tpu as they are. Python
 // cannot reach a NestedTensorImpl's buffer, hence C++. Every other op on a nested tpu tensor goes
-// through the CPU fallback (torch_tpu/_nested.py).
+// through the CPU fallback (torch_tpu/dispatch/nested.py).
 #include <ATen/NestedTensorImpl.h>
 #include <ATen/WrapDimUtils.h>
 #include <ATen/ops/_nested_tensor_size_native.h>
@@ -36,7 +36,7 @@
 
 namespace {
 
-// A tpu storage is not told its size when an op makes it (torch_tpu/_storage_api.py: that would cost
+// A tpu storage is not told its size when an op makes it (torch_tpu/tensor/storage_api.py: that would cost
 // every op a call), but NestedTensorImpl takes its buffer's length from the storage's byte count. So
 // before torch's kernels read the buffer, the count is brought up to what the components span
 // (their offsets, sizes and strides), as _storage_api.sync_nbytes does for the storage API. The

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c
 
-from torch_tpu._storage import read_array, write
 from torch_tpu.distributed import xla
+from torch_tpu.tensor.storage import read_array, write
 
 BACKEND = "tpu"
 _HEARTBEAT_S = 0.5  # how often each rank publishes its heartbeat

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_tpu._storage import base_array, is_tpu, read_array
 from torch_tpu.runtime import fused
+from torch_tpu.tensor.storage import base_array, is_tpu, read_array
 
 SpecEntry = str | tuple[str, ...] | None
 

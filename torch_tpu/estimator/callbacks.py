@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch_tpu.estimator.estimator import TPUEstimator
+# the estimator's type, named rather than imported: estimator.py imports this module
+TPUEstimator = Any
 
 
 class Callback:

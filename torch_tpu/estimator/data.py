@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor import transfer as _transfer
+
 
 @dataclass
 class Batch:
@@ -108,9 +111,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     (half the cost of a small batch's copy, paid for every tensor of every batch)."""
     if type(t) is torch.Tensor and device.type == "tpu" and t.device.type == "cpu" and t.layout is _STRIDED \
             and not t.requires_grad:
-        from torch_tpu import _kernels, _storage
-
-        return _storage.new_tensor(tuple(t.shape), t.dtype, _kernels.host_to_device(t))
+        return _storage.new_tensor(tuple(t.shape), t.dtype, _transfer.host_to_device(t))
     return t.to(device, non_blocking=True)
 
 

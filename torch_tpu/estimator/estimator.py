@@ -30,7 +30,7 @@ import jax
 import torch
 from torch import nn
 
-import torch_tpu
+from torch_tpu.core.devices import platform
 from torch_tpu.estimator.callbacks import Callback, EarlyStopping, as_callbacks
 from torch_tpu.estimator.checkpoint import Checkpointer
 from torch_tpu.estimator.data import batch_size, bucket_for, map_tensors, shapes_of, tensors_in
@@ -99,7 +99,7 @@ class TPUEstimator:
             chosen = local
         elif isinstance(devices, int):
             if not 1 <= devices <= len(local):
-                raise ValueError(f"devices={devices}: there are {len(local)} local {torch_tpu.platform()} devices")
+                raise ValueError(f"devices={devices}: there are {len(local)} local {platform()} devices")
             chosen = local[:devices]
         else:
             idx = list(devices)
@@ -147,7 +147,7 @@ class TPUEstimator:
     def __repr__(self) -> str:
         n = len(self._jax_devices)
         return (
-            f"TPUEstimator(platform={torch_tpu.platform()!r}, devices={n}, precision={self.precision!r}, "
+            f"TPUEstimator(platform={platform()!r}, devices={n}, precision={self.precision!r}, "
             f"mode={self.mode!r})"
         )
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import torch_tpu
-from torch_tpu import _storage
 from torch_tpu.runtime import fused, metrics
+from torch_tpu.runtime.executor import set_eager_mode
+from torch_tpu.tensor import storage as _storage
 
 
 class Execution:
@@ -37,7 +37,7 @@ class Execution:
         return fn
 
     def eager_mode(self) -> contextlib.AbstractContextManager:
-        return torch_tpu.set_eager_mode("fused" if self.mode == "fused" else "strict")
+        return set_eager_mode("fused" if self.mode == "fused" else "strict")
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,8 +28,8 @@ from torch_tpu.estimator.losses import LossConfigError
 from torch_tpu.estimator.placement import Feeder
 from torch_tpu.estimator.step import StepBuilder
 
-if TYPE_CHECKING:
-    from torch_tpu.estimator.estimator import TPUEstimator
+# the estimator's type, named rather than imported: estimator.py imports this module
+TPUEstimator = Any
 
 log = logging.getLogger("torch_tpu.estimator")
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_tpu import distributed
 from torch_tpu.estimator.data import Batch, batch_size, map_tensors, pad_rows, pad_sequences, split
 
 log = logging.getLogger("torch_tpu.estimator")
@@ -48,10 +49,6 @@ class Placement:
                 log.warning("batch size %d does not divide over %d devices: running on one device",
                             rows, len(self.jax_devices))
             return None
-        try:
-            from torch_tpu import distributed
-        except ImportError:  # pragma: no cover - the distributed module is optional
-            return None
         key = tuple(id(d) for d in self.jax_devices)
         if self._mesh_key != key:
             self._mesh_obj = distributed.mesh(len(self.jax_devices), "data", devices=self.jax_devices)
@@ -62,8 +59,6 @@ class Placement:
         """Parameters and buffers on the mesh: replicated (``dp``) or split along dim 0 (``fsdp``)."""
         if mesh is None:
             return
-        from torch_tpu import distributed
-
         if self.sharding == "dp":
             distributed.replicate_module(model, mesh)
             return
@@ -84,8 +79,6 @@ class Placement:
         """Splits every batch tensor along its rows over the mesh: XLA then reduces the gradients."""
         if mesh is None:
             return
-        from torch_tpu import distributed
-
         n = mesh.devices.size
 
         def place(t: torch.Tensor) -> torch.Tensor:
@@ -151,8 +144,6 @@ class Feeder:
 
 
 def _shard_rows(t: torch.Tensor, mesh: Any) -> None:
-    from torch_tpu import distributed
-
     if t.dim() and t.shape[0] % mesh.devices.size == 0:
         distributed.shard(t, mesh, ("data",))
     else:

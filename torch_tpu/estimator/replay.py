@@ -1,7 +1,7 @@
 """``mode="auto"``: the training step captured once per shape bucket and replayed.
 
 A small model's step is bound by the host: Python dispatching a few hundred ops costs more than
-the device's math. Replaying a captured step (:mod:`torch_tpu.runtime.graphs`, CUDA graphs'
+the device's math. Replaying a captured step (:mod:`torch_tpu.device.graphs`, CUDA graphs'
 semantics) costs one executable call. The estimator owns the loop, so it can capture safely:
 
 * warm-up: the fit's first step runs in fused mode, so the optimizer state exists before any
@@ -44,7 +44,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from torch_tpu import distributed
+from torch_tpu.core import rng as _rng
+from torch_tpu.device import graphs
 from torch_tpu.estimator.data import Batch, map_tensors
+from torch_tpu.tensor import storage as _storage
 
 WARMUP_STEPS = 1  # fused steps before the first capture: the optimizer state appears at step 1
 
@@ -120,8 +124,6 @@ class ReplayPlan:
             for g in self.opt.param_groups:
                 t = torch.tensor(float(g["lr"]), dtype=torch.float32).to(self.model_device)
                 if mesh is not None:
-                    from torch_tpu import distributed
-
                     distributed.replicate(t, mesh)
                 self._lr.append((t, float(g["lr"])))
         return [t for t, _ in self._lr]
@@ -254,9 +256,6 @@ class ReplayRunner:
     def _capture(self, group: list[Batch]) -> torch.Tensor | None:
         """Captures the step on private tensors holding ``group``'s arrays and replays it: the
         step's loss. None when capture was refused (the run falls back; the step is still to run)."""
-        from torch_tpu import _rng, _storage
-        from torch_tpu.runtime import graphs
-
         plan = self.plan
         static = [_private(b) for b in group]
         groups = plan.opt.param_groups
@@ -299,8 +298,6 @@ class ReplayRunner:
         return loss
 
     def _after_capture(self, floats: list, counter: int) -> None:
-        from torch_tpu import _rng
-
         for g, lr in zip(self.plan.opt.param_groups, floats):
             g["lr"] = lr
         with _rng._lock:
@@ -336,8 +333,6 @@ def _batch_tensors(group: list[Batch]) -> list[torch.Tensor]:
 def _private_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor of our own holding ``t``'s values: the same array when ``t`` covers its storage
     (arrays are immutable, so sharing one is safe), else a contiguous copy."""
-    from torch_tpu import _storage
-
     st = t.untyped_storage()
     if t.storage_offset() == 0 and t.is_contiguous() and st._shape == tuple(t.shape) and st._dtype == t.dtype:
         return _storage.new_tensor(tuple(t.shape), t.dtype, _storage.read_array(t))

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from torch_tpu.compile import tpu_backend
+
 
 def compile_tpu_graph(gm: torch.fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Callable:
     """What inductor's ``compile_fx`` returns, for a graph on tpu: the tpu backend's program.
@@ -25,6 +27,4 @@ def compile_tpu_graph(gm: torch.fx.GraphModule, example_inputs: list, *args: Any
     Inductor's ``config_patches`` (what ``mode=`` and ``options=`` set: CUDA graphs, autotuning,
     Triton settings) have no meaning for an XLA program and are not applied; every mode compiles
     the same program, as with ``backend="tpu"``."""
-    from torch_tpu.compile import tpu_backend
-
     return tpu_backend(gm, example_inputs)

@@ -1,6 +1,6 @@
 """The serving table: ATen overload -> a lowering (a pure function of jax arrays), or a hand kernel.
 
-Both tables are filled when the ops modules are imported; :func:`torch_tpu._dispatch.register_table`
+Both tables are filled when the ops modules are imported; :func:`torch_tpu.dispatch.op_kernel.register_table`
 then registers every entry with torch once, by one rule (a hand kernel serves eager mode where an op
 has both; graphs always use the lowering), so import order decides nothing.
 
@@ -120,7 +120,7 @@ HAND_KERNELS: dict[torch._ops.OpOverload, HandKernel] = {}
 
 
 def _add_kernel(op: torch._ops.OpOverload | None, entry: HandKernel) -> None:
-    if op is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
+    if op is None:  # an op this torch version lacks (torch_tpu.core.compat.aten_overload)
         return
     if op in HAND_KERNELS:
         raise ValueError(f"kernel: {op} has two hand kernels")
@@ -196,7 +196,7 @@ def lower(
         entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, not by_name, variants,
                          choose, runtime_numbers)
         for target in targets:
-            if target is None:  # an op this torch version lacks (torch_tpu._compat.aten_overload)
+            if target is None:  # an op this torch version lacks (torch_tpu.core.compat.aten_overload)
                 continue
             if isinstance(target, torch._ops.OpOverloadPacket):
                 mutating = target._qualified_op_name.endswith("_")

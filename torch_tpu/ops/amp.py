@@ -2,7 +2,7 @@
 
 ``GradScaler`` unscales the gradients and updates its scale with two in-place ops, each of which
 writes more than one argument. Their functional forms, which AOTAutograd puts in a graph, are
-lowered here. Eager mode serves the in-place forms with kernels in :mod:`torch_tpu._kernels` that
+lowered here. Eager mode serves the in-place forms with kernels in :mod:`torch_tpu.dispatch.hand_kernels` that
 run these same functions and write each result back. The arithmetic follows CPU's kernels.
 """
 

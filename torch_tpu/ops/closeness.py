@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import Lowering, aten, kernel_from_lowerings, lower
 
 _DEFAULTS = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}

@@ -20,8 +20,13 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _checks as checks
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import LOWERINGS, aten, kernel_from_lowerings, lower
+from torch_tpu.runtime import executor, fused, metrics
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor import transfer as _transfer
+from torch_tpu.tensor import value_checks as checks
+from torch_tpu.tensor.storage import new_tensor
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F32 = np.dtype(jnp.float32)
@@ -1057,9 +1062,6 @@ _CONSTANT_ELEMENTS = 4096
 
 
 def _fill_kernel(adapt):
-    from torch_tpu import _dtypes, _kernels, _storage
-    from torch_tpu.runtime import executor, fused, metrics
-
     lowered = adapt(aten.fill_.Scalar, LOWERINGS[aten.fill.Scalar], "inplace")
     counts = metrics.op_counts
     lazy = fused.Lazy
@@ -1080,7 +1082,7 @@ def _fill_kernel(adapt):
                     data = _dtypes.cpu_to_numpy(torch.full(st._shape, value, dtype=self.dtype))
                     if len(_CONSTANTS) >= _CONSTANTS_KEPT:
                         del _CONSTANTS[next(iter(_CONSTANTS))]
-                    array = _CONSTANTS[key] = _kernels.numpy_to_device(data)
+                    array = _CONSTANTS[key] = _transfer.numpy_to_device(data)
                 counts["aten.fill_.Scalar"] += 1
                 _storage._replace(st, array)
                 return self
@@ -1115,9 +1117,6 @@ def _clone_kernel(adapt):
     and masks at every token; each clone was a dispatch through XLA for an identity. Views,
     strided layouts, conjugate or negative bits (applied to the copy), pending values and
     recordings take the lowering."""
-    from torch_tpu._storage import new_tensor
-    from torch_tpu.runtime import executor, fused, metrics
-
     lowered = adapt(aten.clone.default, LOWERINGS[aten.clone.default], "functional")
     counts = metrics.op_counts
     lazy = fused.Lazy

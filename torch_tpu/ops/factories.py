@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes
-from torch_tpu._kernels import numpy_to_device
-from torch_tpu._storage import new_tensor, remember_host_copy
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.shape import program
 from torch_tpu.runtime.executor import execute
+from torch_tpu.tensor.storage import new_tensor, remember_host_copy
+from torch_tpu.tensor.transfer import numpy_to_device
 
 
 @lower(aten._efficientzerotensor.default)

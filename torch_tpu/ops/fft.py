@@ -22,11 +22,12 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dtypes, _out_dtypes
-from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
-from torch_tpu._storage import is_tpu, read, set_base, write
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor import out_dtypes as _out_dtypes
+from torch_tpu.tensor.meta import device_mismatch, meta_outputs, to_meta
+from torch_tpu.tensor.storage import is_tpu, read, set_base, write
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -113,7 +114,7 @@ _PROGRAMS: dict[tuple, Program] = {}
 # ``_conj`` and ``_neg_view`` are torch's own (an alias with the conjugate or negative bit set):
 # true views, so a write through one reaches its base. PyTorch's Conjugate and Negative fallbacks
 # hand every other op a resolved clone; ``copy_`` and ``clone``, which they pass through, honour the
-# bits (torch_tpu._kernels.copy_, elementwise's clone). In a graph, values have no views:
+# bits (torch_tpu.dispatch.hand_kernels.copy_, elementwise's clone). In a graph, values have no views:
 lower(aten._neg_view.default, graph_only=True)(jnp.negative)
 lower(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default, graph_only=True)(jnp.conj)
 

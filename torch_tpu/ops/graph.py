@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dtypes
-from torch_tpu.ops._registry import aten, lower
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.ops._registry import LOWERINGS, Lowering, aten, lower
 
 
 def _norm_dim(d: int, n: int) -> int:
@@ -195,8 +195,6 @@ _FOREACH_BASE = {"norm": ("linalg_vector_norm", ("default",)), "maximum": ("maxi
 
 def foreach_lowering(op):
     """A lowering for ``aten._foreach_<x>.<overload>`` built from ``aten.<x>``'s, or None."""
-    from torch_tpu.ops._registry import LOWERINGS, Lowering
-
     name = op._schema.name.split("::")[1]
     if not name.startswith("_foreach_") or name.endswith("_"):
         return None
@@ -240,7 +238,6 @@ def register_foreach() -> int:
     lowering checks values on the host keep torch's per-tensor composite."""
     import dataclasses
 
-    from torch_tpu.ops._registry import LOWERINGS
 
     n = 0
     names = sorted({s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")})

@@ -21,13 +21,14 @@ import torch
 from jax import lax
 from torch._prims_common import alert_not_deterministic
 
-from torch_tpu import _checks as checks
-from torch_tpu import _dtypes
-from torch_tpu._meta import device_mismatch
-from torch_tpu._storage import TPU_DEVICE, host_values, is_tpu, new_tensor, read, to_numpy
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import Lowering, aten, kernel, kernel_from_lowerings, lower
 from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor import value_checks as checks
+from torch_tpu.tensor.meta import device_mismatch
+from torch_tpu.tensor.storage import TPU_DEVICE, host_values, is_tpu, new_tensor, read, to_numpy
+from torch_tpu.tensor.transfer import host_to_device
 
 # ------------------------------------------------------------------------------------ checks
 
@@ -205,8 +206,6 @@ def _expand_masks(self: torch.Tensor, indices: list) -> tuple[torch.Tensor, list
 
     A 0-dim mask indexes a new size-1 dim, as torch does by unsqueezing ``self``.
     """
-    from torch_tpu._kernels import host_to_device
-
     out: list = []
     dim = 0
     for ind in indices:
@@ -585,8 +584,6 @@ _TAKE_FLAT = Program("masked_select gather", lambda x, i: x.reshape(-1)[i])
 @kernel(aten.masked_select.default)
 def _masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Data-dependent size: the mask is read on the host (a sync)."""
-    from torch_tpu._kernels import host_to_device
-
     if mask.dtype != torch.bool:
         raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
     meta_self = torch.empty(self.shape, device="meta")
@@ -614,8 +611,6 @@ def _masked_select_out(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Ten
 @kernel(aten.nonzero.default)
 def _nonzero(self: torch.Tensor) -> torch.Tensor:
     """Data-dependent size: the tensor is read on the host (a sync)."""
-    from torch_tpu._kernels import host_to_device
-
     a = to_numpy(self)
     idx = np.argwhere(a) if a.ndim else np.zeros((int(bool(a)), 0), np.int64)
     t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))

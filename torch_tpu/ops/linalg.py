@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torch_tpu._compat import aten_overload
-from torch_tpu._storage import new_tensor, to_cpu
+from torch_tpu.core.compat import aten_overload
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.nn import run_jax
+from torch_tpu.tensor.storage import new_tensor, to_cpu
 
 _PRECISION = {
     "highest": lax.Precision.HIGHEST,

@@ -24,12 +24,12 @@ import torch
 from jax import lax
 from torch._prims_common import alert_not_deterministic
 
-from torch_tpu import _checks as checks
-from torch_tpu import _dtypes
-from torch_tpu._meta import cpu_meta, device_mismatch, to_meta
-from torch_tpu._storage import is_tpu, new_tensor, read, write
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor import value_checks as checks
+from torch_tpu.tensor.meta import cpu_meta, device_mismatch, to_meta
+from torch_tpu.tensor.storage import is_tpu, new_tensor, read, write
 
 _LOW = (jnp.bfloat16, jnp.float16)
 

@@ -1,6 +1,6 @@
 """Lowerings: PyTorch's single-kernel optimizers (``fused=True``): Adam, AdamW and SGD.
 
-Each updates lists of tensors in place. The kernels in :mod:`torch_tpu._kernels` run these functions
+Each updates lists of tensors in place. The kernels in :mod:`torch_tpu.dispatch.hand_kernels` run these functions
 as one program over the whole lists and write every list back. The arithmetic follows CPU's fused
 kernels: float32 math at least, bias corrections in double, gradients unscaled (and written back)
 by ``grad_scale``, and nothing updated when ``found_inf`` is set.

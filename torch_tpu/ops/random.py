@@ -1,5 +1,5 @@
 """Lowerings: random sampling. Each gets a PRNG key derived from ``torch.manual_seed`` and a
-counter (``torch_tpu/_rng.py``), so a seed gives the same numbers every run; they are not CPU's
+counter (``torch_tpu/core/rng.py``), so a seed gives the same numbers every run; they are not CPU's
 numbers (a different generator), only the same distributions.
 
 Numbers are drawn in float32 at least (float64 for float64 tensors) and cast, so half-precision
@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes
-from torch_tpu._storage import is_tpu, read
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor import value_checks as checks
+from torch_tpu.tensor.storage import is_tpu, read
 
 
 def _float(dtype) -> jnp.dtype:
@@ -294,8 +295,6 @@ def _negative_or_nan(xp, values):
 
 
 def _poisson_check(self, generator=None):
-    from torch_tpu import _checks as checks
-
     # CPU rejects a negative (or NaN) rate: checked on the host copy, else with the step (checks.py)
     checks.check_values(self, _negative_or_nan, (),
                         lambda _: RuntimeError("invalid Poisson rate, expected rate to be non-negative"))

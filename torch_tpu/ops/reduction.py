@@ -17,12 +17,13 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dtypes
-from torch_tpu._storage import new_tensor
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.ops import tie_order
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.elementwise import complex_logaddexp
 from torch_tpu.ops.factories import _linspace_values
+from torch_tpu.ops.nn import run_jax
+from torch_tpu.tensor.storage import new_tensor
 
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _I64 = np.dtype(jnp.int64)
@@ -730,8 +731,6 @@ def _hist_bin_tensors(x, weight=None, *, density, **edges):
 
 
 def _hist_run(fn, static: dict, dynamic: dict, dtypes: list) -> list[torch.Tensor]:
-    from torch_tpu.ops.nn import run_jax  # nn imports this module's neighbours first
-
     outs = run_jax("aten.histogramdd", fn, static, dynamic, dtypes)
     return [new_tensor(tuple(o.shape), d, o) for o, d in zip(outs, dtypes)]
 

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torch_tpu._meta import cpu_meta
-from torch_tpu._storage import new_tensor, read
 from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.ops.indexing import index_range
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor.meta import cpu_meta
+from torch_tpu.tensor.storage import new_tensor, read
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -9,7 +9,7 @@ scaled by ``1/sqrt(head_dim)`` before the product, a boolean mask applied as ``-
 masked row is NaN, as CPU's masked softmax gives), the out-projection, and for the encoder layer
 the residuals, layer norms (``norm_first`` either way) and the ReLU or GELU feed-forward.
 Nested (padded-batch) inputs never reach these lowerings: they dispatch to the nested key
-(``torch_tpu._nested``).
+(``torch_tpu.dispatch.nested``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The queue of deferred value checks: device-side asserts raised at the next host read.
 
 A check whose values are on the device runs as a small program with the step
-(:func:`torch_tpu._checks.check_values` makes it); its (failed flag, first bad value) wait here, and
+(:func:`torch_tpu.tensor.value_checks.check_values` makes it); its (failed flag, first bad value) wait here, and
 the first failed one raises, naming the op's call site, where the host next reads device values
 (``raise_pending``, called by the executor and the storage layer). Only the queue lives in the
 runtime: the tensor-level checks sit above the storage layer, which this module must not import.

@@ -142,7 +142,7 @@ _before_capture: list[EagerMode] = []
 
 def begin_capture_recording() -> None:
     """Records every program from now on, whatever the mode, until :func:`end_capture_recording`:
-    a captured graph (:mod:`torch_tpu.runtime.graphs`) is one trace, never run op by op."""
+    a captured graph (:mod:`torch_tpu.device.graphs`) is one trace, never run op by op."""
     global _mode
     _before_capture.append(_mode)
     _mode = EagerMode.FUSED
@@ -186,7 +186,7 @@ class Program:
         self.key = key
         self.fixed = avals  # the outputs' shapes and dtypes when the program has one input signature
         self.shapes: dict[tuple, list] = {}  # fused mode: input signature -> output shapes and dtypes
-        # an ATen op's program that may run on the host when its inputs are there (_shape_churn)
+        # an ATen op's program that may run on the host when its inputs are there (host_placement)
         self.host_follows = False
         self._jitted: Callable[..., Any] | None = None
 

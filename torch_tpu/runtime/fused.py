@@ -578,7 +578,7 @@ class _Template:
         return True
 
 
-# Set by torch_tpu.runtime.graphs while a graph is captured: called with the reason of each flush;
+# Set by torch_tpu.device.graphs while a graph is captured: called with the reason of each flush;
 # True keeps the trace pending (the capture compiles it whole at its end), or it raises (a host read).
 capture_hook: Any = None
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from torch_tpu.runtime import executor
+
 
 def _sync() -> None:
-    from torch_tpu.runtime import executor
-
     executor.synchronize()
 
 

@@ -3,7 +3,7 @@
 The default state is a seed and a counter kept here (``torch.manual_seed`` and ``torch.tpu``'s
 functions set it). Each random op takes ``fold_in(key(seed), counter)`` *inside* its program, with
 both as runtime inputs, so drawing numbers costs no host-side jax call and never recompiles. A
-``torch.Generator(device="tpu")`` (made through the C++ extension, ``_extension``) is the same
+``torch.Generator(device="tpu")`` (made through the C++ extension, ``extension``) is the same
 pair: its seed, and its offset as the counter, so it gives the default stream's numbers for the
 same seed, as a CUDA generator does.
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +27,7 @@ def _source_from_env() -> str:
 
 
 # ``TORCH_TPU_RANDOM=cpu``: eager random ops draw from CPU's generator, by CPU's kernels, so a
-# seed gives on tpu exactly the numbers it gives on CPU (see cpu_stream_kernel); read at import
+# seed gives on tpu exactly the numbers it gives on CPU (``dispatch.fallback.cpu_stream_kernel``); read at import
 SOURCE = _source_from_env()
 
 _lock = threading.Lock()
@@ -68,7 +66,7 @@ def next_inputs() -> list[np.ndarray]:
     return pair
 
 
-# While a graph is captured (torch_tpu.runtime.graphs): the inputs handed to each random op, in
+# While a graph is captured (torch_tpu.device.graphs): the inputs handed to each random op, in
 # order, so that every replay feeds the same ops fresh counters, as CUDA graphs advance Philox.
 capture_log: list | None = None
 
@@ -121,34 +119,6 @@ def set_state(state: torch.Tensor) -> None:
         _seed, _counter, _initial_seed = (int(x) for x in arr)
 
 
-def cpu_stream_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:
-    """The kernel of random op ``op`` under ``TORCH_TPU_RANDOM=cpu``: CPU torch's kernel on CPU copies
-    of the inputs, drawing from CPU's default generator (a tpu generator's op draws from a CPU
-    generator seeded from it), its results uploaded. So after ``torch.manual_seed(s)`` a script
-    draws on tpu the very numbers it draws on CPU (dropout masks, initialisations, sampled
-    tokens), and the two runs can be compared number for number when porting. Each draw is a
-    host op and a transfer, and a sync where it reads device values (``bernoulli`` of a computed
-    probability): for comparing, not for speed. Graphs keep the device's stream: a graph capture
-    records the device kernel, and ``torch.compile`` graphs lower their random ops as always."""
-    from torch_tpu import _fallback, _storage
-    from torch_tpu.runtime import executor, metrics
-
-    name = str(op)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if _storage._capture is not None:
-            return device_kernel(*args, **kwargs)
-        metrics.op_counts[name] += 1
-        args = tuple(_shadow(a) if type(a) is torch.Generator else a for a in args)  # poisson's is positional
-        if type(kwargs.get("generator")) is torch.Generator:
-            kwargs = {**kwargs, "generator": _shadow(kwargs["generator"])}
-        with executor.eager_section():
-            return _fallback.run_on_cpu(op, args, kwargs)
-
-    run.counts_itself = True
-    return run
-
-
 # (seed, offset) of a tpu generator -> the CPU generator that draws its next numbers. Keyed by the
 # generator's state, not the object: torch hands a kernel a new Python wrapper of the generator at
 # each call. Two tpu generators with the same seed and the same number of draws share the entry.
@@ -156,7 +126,7 @@ _streams: dict[tuple[int, int], torch.Generator] = {}
 _STREAMS_KEPT = 64
 
 
-def _shadow(generator: torch.Generator) -> torch.Generator:
+def shadow_generator(generator: torch.Generator) -> torch.Generator:
     """Under ``TORCH_TPU_RANDOM=cpu``, the CPU generator that draws for tpu ``generator``: seeded
     with its seed, so ``torch.Generator("tpu").manual_seed(s)`` gives CPU's numbers for ``s``, and
     carried on from draw to draw; a tpu generator reseeded (offset 0 again) starts afresh, as a

@@ -10,14 +10,22 @@ import math
 import warnings
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _checks, _device, _dtypes, _overlap, _shape_churn
-from torch_tpu._meta import device_mismatch
-from torch_tpu._storage import (
+from torch_tpu.core.devices import check_index
+from torch_tpu.dispatch import host_placement as _host_placement
+from torch_tpu.ops import amp as _amp
+from torch_tpu.ops import optim as _optim
+from torch_tpu.ops._registry import kernel
+from torch_tpu.runtime import host_reads, metrics
+from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.runtime.fused import user_site
+from torch_tpu.tensor import overlap as _overlap
+from torch_tpu.tensor import value_checks as _value_checks
+from torch_tpu.tensor.meta import device_mismatch, view_dispatch_key
+from torch_tpu.tensor.storage import (
     contiguous_strides,
     dense_layout,
     is_tpu,
@@ -25,18 +33,15 @@ from torch_tpu._storage import (
     new_tensor,
     read,
     read_array,
-    remember_host_copy,
+    resize_storage,
     set_base,
     set_geometry,
+    storage_value,
     to_cpu,
     to_numpy,
     write,
 )
-from torch_tpu.ops import amp as _amp
-from torch_tpu.ops import optim as _optim
-from torch_tpu.ops._registry import kernel
-from torch_tpu.runtime import host_reads, metrics
-from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor.transfer import host_to_device
 
 aten = torch.ops.aten
 DK = torch._C.DispatchKey
@@ -46,7 +51,7 @@ def _check_device(device: Any) -> None:
     if device is not None:
         d = torch.device(device)
         if d.type == "tpu":
-            _device.check_index(d.index)
+            check_index(d.index)
 
 
 def _check_size(op: str, size) -> tuple[int, ...]:
@@ -66,8 +71,6 @@ def _warn_complex_half() -> None:
     if _complex_half_warned and not torch._C._get_warnAlways():
         return
     _complex_half_warned = True
-    from torch_tpu.runtime.fused import user_site
-
     site = user_site() or ("<unknown>", 0)  # the user's line, as CPU's C++ warning names it
     warnings.warn_explicit("ComplexHalf support is experimental and many operators don't support it yet.",
                            UserWarning, site[0], site[1])
@@ -109,62 +112,6 @@ def _strided(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
         if storage_shape is not None:
             return new_strided(shape, stride, storage_shape, dtype, None)
     return new_tensor(shape, dtype)
-
-
-def _make_put() -> Any:
-    """``jax.device_put(data)`` for a numpy array: to JAX's default device (the process's first
-    local one unless configured), uncommitted. jaxlib's batched put is what it ends in; called
-    directly it costs 6 us instead of 35 (a training loop sends every batch this way). Plain
-    ``jax.device_put`` where jaxlib lacks it."""
-    try:
-        from jax._src.interpreters import pxla
-        from jax._src.lib import xla_client
-
-        put, default_device = xla_client.batched_device_put, pxla.get_default_device
-        shaped = jax.core.ShapedArray
-        placements: dict[Any, tuple[Any, list]] = {}  # device -> (its sharding, [device])
-        avals: dict[tuple, Any] = {}  # (shape, dtype) -> its ShapedArray: making one costs more than the put
-
-        def device_put(data: np.ndarray) -> Any:
-            device = default_device()
-            where = placements.get(device)
-            if where is None:
-                where = placements[device] = (jax.sharding.SingleDeviceSharding(device), [device])
-            k = (data.shape, data.dtype)
-            aval = avals.get(k)
-            if aval is None:
-                if len(avals) > 4096:  # a loader of ragged batches: a bounded memo
-                    avals.clear()
-                aval = avals[k] = shaped(data.shape, data.dtype)
-            return put(aval, where[0], [data], where[1], False)
-
-        probe = np.arange(3, dtype=np.float32)
-        if not np.array_equal(np.asarray(device_put(probe)), probe):
-            return jax.device_put
-    except Exception:  # noqa: BLE001 - any change in jaxlib's private API: the public call
-        return jax.device_put
-    return device_put
-
-
-_put: list[Any] = []
-
-
-def host_to_device(t: torch.Tensor) -> Any:
-    """A jax array on tpu:0 with a private copy of a CPU tensor's data. *Uncommitted* (no device
-    named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
-    return numpy_to_device(np.array(_dtypes.cpu_to_numpy(t), copy=True))
-
-
-def numpy_to_device(data: np.ndarray, whole: torch.Tensor | None = None, host_result: bool = False) -> Any:
-    """:func:`host_to_device` of a numpy array the caller gives up (the array keeps it as its host
-    copy): a transfer, never a compile, whatever the shape. ``whole`` and ``host_result``: what
-    :func:`remember_host_copy` keeps with the copy (a host op's result, ``_shape_churn``)."""
-    metrics.transfer_bytes["host_to_device"] += data.nbytes
-    if not _put:
-        _put.append(_make_put())
-    array = _put[0](data)
-    remember_host_copy(array, data, whole, host_result)
-    return array
 
 
 @kernel(aten._copy_from.default, fusable=True)
@@ -242,7 +189,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if not is_tpu(self):  # BackendSelect sends CPU -> tpu copies here too
         if self.device.type != "cpu":
             raise device_mismatch("aten._to_copy", self.device)
-        _device.check_index(target.index)
+        check_index(target.index)
         shape, stride = tuple(self.shape), tuple(self.stride())
         if memory_format in (None, torch.preserve_format) and stride != contiguous_strides(shape):
             storage_shape = dense_layout(shape, stride)
@@ -264,10 +211,10 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         return out
     if target.type != "tpu":
         raise device_mismatch("aten._to_copy", target)
-    _device.check_index(target.index)
-    if not self.is_floating_point() and not self.is_complex() and self.is_contiguous() and _shape_churn.on_host(
-            "aten._to_copy.default", (_shape_churn.signature(self), dtype), (self,), {}):
-        return _shape_churn.run(aten._to_copy.default, (self,), {"dtype": dtype})
+    check_index(target.index)
+    if not self.is_floating_point() and not self.is_complex() and self.is_contiguous() and _host_placement.on_host(
+            "aten._to_copy.default", (_host_placement.signature(self), dtype), (self,), {}):
+        return _host_placement.run(aten._to_copy.default, (self,), {"dtype": dtype})
     if self.is_contiguous() or memory_format not in (None, torch.preserve_format):
         out = _empty(tuple(self.shape), dtype, memory_format=memory_format)
     else:  # preserve_format: a dense layout (channels_last) is kept, as on CPU
@@ -304,7 +251,7 @@ def _assert_async(self: torch.Tensor, assert_msg: str | None = None) -> None:
         raise RuntimeError(f"Boolean value of Tensor with {'no values' if not self.numel() else 'more than one value'} "
                            "is ambiguous")
     message = assert_msg or "Expected Tensor with single nonzero value, but got zero"
-    _checks.check_values(self, _zero, (), lambda _value: RuntimeError(message))
+    _value_checks.check_values(self, _zero, (), lambda _value: RuntimeError(message))
 
 
 @kernel(aten.record_stream.default)
@@ -323,14 +270,6 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if host_reads.mode:
         host_reads.synchronizing()
     return bool(np.asarray(jnp.array_equal(read_array(a), read_array(b))))
-
-
-# ------------------------------------------------------------------------------------ views
-def view_dispatch_key(op: torch._ops.OpOverload) -> torch._C.DispatchKey:
-    """The key whose kernel computes a view's geometry without touching data."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
-        return DK.Meta
-    return DK.CompositeExplicitAutograd
 
 
 def _view_kernel(op: torch._ops.OpOverload):
@@ -468,7 +407,7 @@ def _new_zeros_with_same_feature_meta(self: torch.Tensor, other: torch.Tensor, *
 def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A true view, as view_as_real is: torch's own kernel gives the geometry (and CPU's errors,
     naming storage_offset for a slice) over the same storage; reads and writes reinterpret the
-    storage's bits (``_storage._alias_geometry``)."""
+    storage's bits (``storage._alias_geometry``)."""
     if dtype == t.dtype:
         return t
     return aten.view.dtype._op_dk(_VIEW_DTYPE_KEY, t, dtype)
@@ -488,7 +427,7 @@ def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     if tuple(t.shape) == shape:
         return t
     st = t.untyped_storage()
-    _storage_value(st, t.dtype)
+    storage_value(st, t.dtype)
     if st._dtype is not None and st._dtype != t.dtype:  # a view(dtype) alias: rebuild it contiguous
         flat = read_array(t).reshape(-1)
         n = math.prod(shape)
@@ -498,7 +437,6 @@ def _resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     have = math.prod(st._shape) if st._dtype is not None else 0
     need = t.storage_offset() + math.prod(shape)
     if need > have:
-        from torch_tpu._storage import resize_storage
 
         resize_storage(st, need * t.element_size())
         if _deterministic_fill():
@@ -527,25 +465,9 @@ def _fill_value(dtype: torch.dtype) -> Any:
     return torch.iinfo(dtype).max
 
 
-def _storage_value(st: Any, dtype: torch.dtype) -> Any:
-    """A storage's data as a flat array of ``dtype``; raw bytes (from torch.load) are reinterpreted."""
-    raw = getattr(st, "_raw", None)
-    if raw is not None:
-        item = _dtypes.to_jax(dtype).itemsize
-        if dtype == torch.bool:
-            value = raw.astype(jnp.bool_)
-        elif item == 1:
-            value = jax.lax.bitcast_convert_type(raw, _dtypes.to_jax(dtype))
-        else:
-            value = jax.lax.bitcast_convert_type(raw.reshape(-1, item), _dtypes.to_jax(dtype))
-        st._raw = None
-        st._shape, st._dtype, st._jx = (int(value.shape[0]),), dtype, value
-    return st
-
-
 @kernel(aten.set_.source_Storage_storage_offset, fusable=True)
 def _set_storage(t, source, storage_offset, size, stride=()):
-    _storage_value(source, t.dtype)
+    storage_value(source, t.dtype)
     # a storage holding another dtype is fine: reads and writes reinterpret its bits, as a
     # view(dtype) does (torch's storage API reads a storage through a uint8 tensor set_ onto it)
     stride = list(stride) if len(stride) else list(contiguous_strides(tuple(size)))
@@ -555,7 +477,7 @@ def _set_storage(t, source, storage_offset, size, stride=()):
 
 @kernel(aten.set_.source_Storage, fusable=True)
 def _set_storage_whole(t, source):
-    st = _storage_value(source, t.dtype)
+    st = storage_value(source, t.dtype)
     nbytes = math.prod(st._shape) * st._dtype.itemsize if st._dtype is not None else 0
     return _set_storage(t, source, 0, [nbytes // t.element_size()], [1])
 
@@ -581,15 +503,6 @@ def _is_set_to(t, other):
 def _set_empty(t):
     set_base(t, (0,), t.dtype, None)
     return t
-
-
-def storage_from_bytes(data: np.ndarray) -> Any:
-    """A tpu storage holding raw bytes, typed when a tensor is set onto it (used by torch.load)."""
-    t = new_tensor((0,), torch.uint8)
-    st = t.untyped_storage()
-    st._raw = jax.device_put(np.array(data, dtype=np.uint8, copy=True))  # uncommitted, like host_to_device
-    st._t = t  # keep the owning tensor alive with the storage
-    return st
 
 
 # ------------------------------------------------------- mixed-precision loss scaling (GradScaler)

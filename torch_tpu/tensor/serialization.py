@@ -3,7 +3,7 @@
 PyTorch's Python code special-cases devices by name in these places (``xla``, ``lazy``...), and
 otherwise assumes a storage whose bytes it can read. A tpu storage holds a jax array, not bytes,
 so the tpu device takes the lazy devices' branch: one copy to the host, then the CPU code path.
-``copy.deepcopy`` is torch's own: it copies storages (``_storage_api``), so views and storages
+``copy.deepcopy`` is torch's own: it copies storages (``storage_api``), so views and storages
 deep-copied together still share, as on CPU.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_tpu._kernels import storage_from_bytes
+from torch_tpu.tensor.transfer import storage_from_bytes
 
 _installed = False
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from torch_tpu.tensor.meta import device_mismatch
+
 aten = torch.ops.aten
 _SPARSE_META = torch._C.DispatchKey.SparseMeta
 _SPARSE_CPU = torch._C.DispatchKey.SparseCPU
@@ -158,8 +160,6 @@ def _check_cast(result: torch.dtype, out: torch.dtype) -> None:
 
 def _check_devices(name: str, *tensors: torch.Tensor) -> None:
     """Dense and sparse operands must all be tpu tensors, as on CUDA."""
-    from torch_tpu._meta import device_mismatch
-
     for t in tensors:
         if t.device.type != "tpu" and not (t.dim() == 0 and not t.is_sparse):
             raise device_mismatch(name, t.device)

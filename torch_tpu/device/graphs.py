@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torch_tpu import _rng
-from torch_tpu.runtime import checks, executor, fused, host_reads, metrics, residency, settle
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.core import rng as _rng
+from torch_tpu.runtime import cache, checks, executor, fused, host_reads, metrics, residency, settle
+from torch_tpu.tensor import storage as _storage
 
-_storage: Any = None  # torch_tpu._storage, imported at the first capture (it needs the device registered)
 _MADE = object()  # the "value before the capture" of a storage the capture created
 _Lazy = fused.Lazy
 _NoneType = type(None)
@@ -64,7 +65,7 @@ _HOST_WHY = ("a captured graph runs on the device alone, so a value cannot reach
 
 
 class _Capture:
-    """What a capture in progress has seen, told by the storage layer (``_storage._capture``)."""
+    """What a capture in progress has seen, told by the storage layer (``storage._capture``)."""
 
     def __init__(self) -> None:
         # id(storage) -> (weak reference, its value before the capture, or _MADE)
@@ -107,7 +108,6 @@ class _Capture:
         now, so that it is a static input (the user may fill it before a replay), not a constant."""
         if self._known(st):
             return None
-        from torch_tpu import _dtypes
 
         a = st._jx = jnp.zeros(st._shape, _dtypes.to_jax(st._dtype))
         return a
@@ -200,10 +200,7 @@ class TPUGraph:
             raise RuntimeError("tpu graph capture: a capture is already in progress (captures do not nest)")
         if self._exe is not None:
             raise RuntimeError("tpu graph capture: this TPUGraph already holds a graph; call reset() first")
-        global _storage
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        from torch_tpu import _storage
 
         executor.synchronize()  # what ran before is not part of the graph
         self._pool = pool
@@ -348,8 +345,6 @@ class TPUGraph:
             try:
                 compiled = jax.jit(replay, donate_argnums=tuple(donate)).lower(*args).compile()
             except Exception as e:
-                from torch_tpu.runtime import cache
-
                 raise cache._trace_error(e, tuple(key), sites) from e
             if len(_executables) >= _KEEP_EXECUTABLES:
                 _executables.pop(next(iter(_executables)))

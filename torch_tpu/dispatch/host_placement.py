@@ -41,8 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes, _storage
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.dispatch.fallback import _from_cpu
 from torch_tpu.runtime import checks, fused, host_reads, metrics
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor.transfer import numpy_to_device
 
 CHURN_AFTER = int(os.environ.get("TORCH_TPU_HOST_CHURN", "3"))
 MAX_ELEMENTS = 4096
@@ -218,16 +221,14 @@ def _to_host(a: Any) -> Any:
 
 
 # The element types of a host op's results that upload as they are: no conjugate or negative bit,
-# no bfloat16 reinterpretation, and a host copy kept (``_storage.remember_host_copy``)
+# no bfloat16 reinterpretation, and a host copy kept (``storage.remember_host_copy``)
 _PLAIN = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
 def _upload(x: Any) -> Any:
     """A result of the host op as a tpu tensor. Its CPU tensor is fresh and dropped here, and every
     input it could alias is a private copy (``_host_value``), so its memory becomes the upload's
-    host copy as it is: no second copy (``_fallback._from_cpu`` copies, for results it keeps)."""
-    from torch_tpu._kernels import numpy_to_device  # _kernels imports this module
-
+    host copy as it is: no second copy (``fallback._from_cpu`` copies, for results it keeps)."""
     if type(x) is torch.Tensor and x.is_cpu:
         if x.dtype in _PLAIN and x.is_contiguous() and not x.storage_offset() and not x.requires_grad:
             # the host copy is x's memory, and x itself is what host_tensor hands out (views of it
@@ -239,7 +240,6 @@ def _upload(x: Any) -> Any:
             return _storage.new_tensor(tuple(x.shape), x.dtype, array)
     if type(x) is list or type(x) is tuple:
         return type(x)(_upload(y) for y in x)
-    from torch_tpu._fallback import _from_cpu
 
     return _from_cpu(x)
 

@@ -10,7 +10,7 @@ How:
 - Building one, reading its metadata, copying it between devices, unbinding and cloning it are
   torch's own device-generic C++ kernels, registered for ``NestedTensorPrivateUse1`` by the C++
   extension (``csrc/nested.cpp``): Python cannot reach a ``NestedTensorImpl``'s buffer.
-- Every other op on a nested tpu tensor runs on CPU through the CPU fallback (``_fallback``): the
+- Every other op on a nested tpu tensor runs on CPU through the CPU fallback (``fallback``): the
   nested inputs are copied to CPU with torch's nested copy, the op runs there, and nested results
   come back as nested tpu tensors. Each op is counted in ``torch_tpu.metrics()`` and warns once, as
   every CPU fallback does; ``TORCH_TPU_STRICT=1`` refuses it.
@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from torch_tpu.core import extension as _extension
+from torch_tpu.dispatch.fallback import cpu_fallback
+
 _lib: torch.library.Library | None = None
 # the views of a nested tpu tensor that csrc/nested.cpp serves (torch's kernels, over the same buffer)
 VIEWS = ("alias", "detach", "values", "unbind", "unsqueeze", "squeeze", "transpose", "select", "view", "narrow",
@@ -32,9 +35,6 @@ VIEWS = ("alias", "detach", "values", "unbind", "unsqueeze", "squeeze", "transpo
 
 
 def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-    from torch_tpu import _extension
-    from torch_tpu._fallback import cpu_fallback
-
     if not _extension.available():
         raise NotImplementedError(f"{op} on a nested tpu tensor: nested tensors on tpu need torch_tpu's C++ extension, "
                                   f"which is not loaded ({_extension.why_not()})")

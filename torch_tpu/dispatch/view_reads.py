@@ -32,9 +32,10 @@ from typing import Any
 import jax.numpy as jnp
 import torch
 
-from torch_tpu import _dtypes, _storage
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.runtime import fused
 from torch_tpu.runtime.executor import Program, execute
+from torch_tpu.tensor import storage as _storage
 
 CHURN_AFTER = int(os.environ.get("TORCH_TPU_VIEW_CHURN", "4"))
 

@@ -3,7 +3,7 @@
 Today that is five things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
 only through a factory registered from C++ (``csrc/generator.cpp``). Nested tensors: torch's
 device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
-write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``_nested``).
+write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``nested``).
 ``torch.accelerator.Graph`` (torch >= 2.13): the graph implementation torch asks a registry for,
 forwarding to ``torch.tpu``'s graphs (``csrc/graph.cpp``). The device's host allocator, which
 ``torch.accelerator.empty_host_cache`` asks for (``csrc/host_allocator.cpp``). And the device guard
@@ -14,7 +14,7 @@ The set-up command builds the extension against the installed torch (:func:`main
 runs), into a folder per torch and Python version, since one source tree may serve several virtual environments.
 
 Without it everything else works: a tpu generator then cannot be made (torch raises its own
-NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``_rng``); an op on
+NotImplementedError), and a CPU ``torch.Generator`` seeds tpu random ops instead (``rng``); an op on
 a nested tpu tensor raises NotImplementedError saying the extension is missing; ``torch.accelerator.Graph``
 raises torch's "not supported on device type: tpu" (``torch.tpu.graph`` works), on torch 2.13
 ``torch.accelerator.empty_host_cache()`` crashes once a tpu tensor exists (torch's null pointer),
@@ -33,7 +33,8 @@ from types import ModuleType
 import torch
 
 _NAME = "torch_tpu_C"
-_SOURCES = [Path(__file__).parent / "csrc" / name
+_PACKAGE = Path(__file__).resolve().parent.parent  # torch_tpu/: the sources in csrc/, the builds in _ext/
+_SOURCES = [_PACKAGE / "csrc" / name
             for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp", "device_guard.cpp")]
 _loaded: list[ModuleType | None] = []
 _why: list[str] = []
@@ -42,7 +43,7 @@ _why: list[str] = []
 def build_dir() -> Path:
     """Where the extension for this torch and Python lives: built against one torch, it loads only there."""
     tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(__file__).parent / "_ext" / tag
+    return _PACKAGE / "_ext" / tag
 
 
 def build(verbose: bool = False) -> Path:
@@ -69,7 +70,7 @@ def load() -> ModuleType | None:
     module = None
     path = _library(build_dir())
     if path is None:
-        _why.append(f"not built for this torch ({build_dir()}); torch_tpu._extension.main() builds it")
+        _why.append(f"not built for this torch ({build_dir()}); torch_tpu.core.extension.main() builds it")
     else:
         try:
             spec = importlib.util.spec_from_file_location(_NAME, path)

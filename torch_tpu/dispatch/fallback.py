@@ -14,13 +14,22 @@ import functools
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torch_tpu._storage import is_tpu, new_tensor, set_base, to_cpu, write
-from torch_tpu.runtime import metrics
+from torch_tpu.core import rng as _rng
+from torch_tpu.ops._registry import LOWERINGS
+from torch_tpu.runtime import executor, metrics
+from torch_tpu.runtime.errors import raise_named
+from torch_tpu.tensor import out_dtypes as _out_dtypes
+from torch_tpu.tensor import overlap as _overlap
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor.meta import device_mismatch, view_dispatch_key
+from torch_tpu.tensor.storage import is_tpu, new_tensor, set_base, to_cpu, write
+from torch_tpu.tensor.transfer import host_to_device
 
 _guard = threading.local()
 _warned: set[str] = set()
@@ -47,15 +56,12 @@ def _to_cpu_arg(a: Any) -> Any:
     if isinstance(a, torch.device) and a.type == "tpu":
         return torch.device("cpu")
     if isinstance(a, torch.Generator) and a.device.type == "tpu":  # CPU's kernel takes a CPU generator
-        from torch_tpu import _rng
 
         return _rng.cpu_generator_from(a)
     return a
 
 
 def _from_cpu(x: Any) -> Any:
-    from torch_tpu._kernels import host_to_device
-
     if isinstance(x, torch.Tensor) and x.device.type == "cpu":
         if x.is_nested:  # its buffer moves; the metadata stays on CPU, as torch keeps it (csrc/nested.cpp)
             x = x.contiguous()
@@ -83,7 +89,7 @@ def cpu_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """``op`` by CPU torch on CPU copies of its tpu inputs: results uploaded, arguments written in
-    place written back. The CPU fallback's work, and ``TORCH_TPU_RANDOM=cpu``'s (``_rng``)."""
+    place written back. The CPU fallback's work, and ``TORCH_TPU_RANDOM=cpu``'s (``rng``)."""
     flat, spec = tree_flatten((args, kwargs))
     cargs, ckwargs = tree_unflatten([_to_cpu_arg(a) for a in flat], spec)
     if "device" in ckwargs and ckwargs["device"] is not None and torch.device(ckwargs["device"]).type == "tpu":
@@ -119,7 +125,6 @@ def _write_back(src: Any, res: Any) -> bool:
         return True
     if not is_tpu(src):
         return False
-    from torch_tpu._kernels import host_to_device
 
     if tuple(res.shape) != tuple(src.shape):
         set_base(src, tuple(res.shape), src.dtype, None)
@@ -129,8 +134,6 @@ def _write_back(src: Any, res: Any) -> bool:
 
 def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     """CPU tensors other than 0-dim scalars cannot mix with tpu tensors, as on CUDA."""
-    from torch_tpu._meta import device_mismatch
-
     if op.__name__.startswith("_nested_"):  # their CPU tensors are a nested tensor's sizes, kept on CPU by torch
         return
     for a in tree_flatten((args, kwargs))[0]:
@@ -140,9 +143,7 @@ def _check_devices(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None
 
 @functools.cache
 def _overlap_rule(op: torch._ops.OpOverload) -> Any:
-    """The overlap check of an in-place or out= op (``torch_tpu._overlap``), or None."""
-    from torch_tpu import _overlap
-
+    """The overlap check of an in-place or out= op (``torch_tpu.tensor.overlap``), or None."""
     schema = op._schema
     if not schema.is_mutable:
         return None
@@ -155,8 +156,6 @@ def _overlap_rule(op: torch._ops.OpOverload) -> Any:
 
 
 def _overlap_partial(op: torch._ops.OpOverload, args: tuple, kwargs: dict, at: tuple) -> None:
-    from torch_tpu import _overlap
-
     schema = op._schema
     out_name = next((a.name for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write),
                     None)
@@ -172,7 +171,6 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     _check_devices(op, args, kwargs)
     if op.is_view:
         metrics.op_counts[str(op)] += 1
-        from torch_tpu._kernels import view_dispatch_key
 
         return op._op_dk(view_dispatch_key(op), *args, **kwargs)
     overlap = _overlap_rule(op)
@@ -186,10 +184,6 @@ def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     if active is None:
         active = _guard.active = set()
     if decomp is not None and op not in active:
-        from torch_tpu import _out_dtypes
-        from torch_tpu.ops._registry import LOWERINGS
-        from torch_tpu.runtime.errors import raise_named
-
         refusal = _out_dtypes.integral_refusal_by_dtypes(op, args, kwargs)  # CPU has no kernel for the dtype
         if refusal is not None:
             shapes = ", ".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
@@ -213,3 +207,29 @@ def register() -> None:
     global _lib
     _lib = torch.library.Library("_", "IMPL")
     _lib.fallback(fallback, "PrivateUse1")
+
+
+def cpu_stream_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:
+    """The kernel of random op ``op`` under ``TORCH_TPU_RANDOM=cpu``: CPU torch's kernel on CPU copies
+    of the inputs, drawing from CPU's default generator (a tpu generator's op draws from a CPU
+    generator seeded from it), its results uploaded. So after ``torch.manual_seed(s)`` a script
+    draws on tpu the very numbers it draws on CPU (dropout masks, initialisations, sampled
+    tokens), and the two runs can be compared number for number when porting. Each draw is a
+    host op and a transfer, and a sync where it reads device values (``bernoulli`` of a computed
+    probability): for comparing, not for speed. Graphs keep the device's stream: a graph capture
+    records the device kernel, and ``torch.compile`` graphs lower their random ops as always."""
+    name = str(op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _storage._capture is not None:
+            return device_kernel(*args, **kwargs)
+        metrics.op_counts[name] += 1
+        # poisson's generator is positional
+        args = tuple(_rng.shadow_generator(a) if type(a) is torch.Generator else a for a in args)
+        if type(kwargs.get("generator")) is torch.Generator:
+            kwargs = {**kwargs, "generator": _rng.shadow_generator(kwargs["generator"])}
+        with executor.eager_section():
+            return run_on_cpu(op, args, kwargs)
+
+    run.counts_itself = True
+    return run

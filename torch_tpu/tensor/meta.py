@@ -95,3 +95,11 @@ def cpu_meta(packet: torch._ops.OpOverloadPacket) -> Callable:
         return type(out)(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta") for o in out)
 
     return meta
+
+
+# ------------------------------------------------------------------------------------ views
+def view_dispatch_key(op: torch._ops.OpOverload) -> torch._C.DispatchKey:
+    """The key whose kernel computes a view's geometry without touching data."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+        return torch._C.DispatchKey.Meta
+    return torch._C.DispatchKey.CompositeExplicitAutograd

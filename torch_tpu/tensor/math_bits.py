@@ -3,7 +3,7 @@
 Those views are torch's own: an alias of the storage with a bit set, so a write through one reaches
 its base. PyTorch's Conjugate and Negative fallbacks hand most ops a resolved clone, but pass some
 straight through to the backend's kernel, expecting it to read the bit itself: ``copy_`` and
-``clone`` (served by ``torch_tpu._kernels.copy_`` and elementwise's ``clone``, which honour it), and
+``clone`` (served by ``torch_tpu.dispatch.hand_kernels.copy_`` and elementwise's ``clone``, which honour it), and
 for the conjugate bit the matrix products (``mm``, ``addmm``, ``bmm``, ``dot``...), which CPU's BLAS
 calls read conjugated. Our lowerings read storage values, so :func:`honouring` resolves such an
 argument before the lowering runs, as the fallback would have.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_tpu import _dtypes
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.runtime import checks, executor, fused, host_reads, metrics
 from torch_tpu.runtime.executor import Program, execute
 
@@ -38,7 +38,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# The graph capture in progress (a ``torch_tpu.runtime.graphs._Capture``), else None. It is told
+# The graph capture in progress (a ``torch_tpu.device.graphs._Capture``), else None. It is told
 # which storages a captured region reads, writes and creates, and refuses host reads. One test of a
 # global per storage access is all capture costs the other modes.
 _capture: Any = None
@@ -65,7 +65,7 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, value: Any = None) ->
 # A tpu storage's C++ data pointer is null: its bytes live in jax. ``data_ptr()`` is what code
 # written for CUDA tells storages apart by (safetensors and transformers' ``save_pretrained`` find
 # shared weights by it, tests tell a copy from a view by it), so a storage is given a unique
-# address the first time anyone asks for one (``_storage_api`` wraps ``Tensor.data_ptr`` and
+# address the first time anyone asks for one (``storage_api`` wraps ``Tensor.data_ptr`` and
 # ``UntypedStorage.data_ptr``): never on an op's path, which stays as cheap as it is. The address
 # is a number, never memory: nothing dereferences a tpu pointer (there is no C++ kernel).
 _SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset
@@ -90,7 +90,7 @@ def logical_nbytes(st: Any) -> int:
 def has_address(st: Any) -> bool:
     """Whether tpu storage ``st`` has a non-null C++ data pointer. torch's ``data_ptr()`` refuses a
     null pointer with a nonzero byte count ("an invalid python storage"), which every tpu storage
-    whose size was synced (``_storage_api.sync_nbytes``) and has no address is."""
+    whose size was synced (``storage_api.sync_nbytes``) and has no address is."""
     try:
         return bool(_cpp_storage_data_ptr(st))
     except RuntimeError:
@@ -589,7 +589,7 @@ def write(t: torch.Tensor, value: Any) -> None:
     """Makes ``t`` hold ``value`` (broadcast and cast to t's shape and dtype), updating its base."""
     st = t.untyped_storage()
     size = t.shape
-    if t.dtype is torch.complex32:  # rounded as a complex32 holds it (_dtypes)
+    if t.dtype is torch.complex32:  # rounded as a complex32 holds it (dtypes)
         value = execute(_complex32_program(), value)
     if t.dtype is not st._dtype:
         prog = _alias_write_program(st._shape, st._dtype, t.dtype, tuple(size), tuple(t.stride()),
@@ -679,7 +679,7 @@ def remember_host_copy(array: Any, data: np.ndarray, whole: torch.Tensor | None 
     so it neither transfers nor waits behind the step the device is still running.
     ``host_result``: a host op computed ``array`` (its host copy is that op's CPU result): the small
     integer bookkeeping of a decoding loop, whose next ops then stay on the host too
-    (``_shape_churn.inputs_on_host``). ``whole``: that result, a CPU tensor over the host copy's
+    (``host_placement.inputs_on_host``). ``whole``: that result, a CPU tensor over the host copy's
     memory, which :func:`host_tensor` then hands out (no wrapping per read).
     """
     if data.dtype.kind in "iub" and data.nbytes <= _HOST_COPY_MAX_BYTES:
@@ -855,10 +855,8 @@ def _resize_program(shape: tuple[int, ...], n: int, dtype: Any) -> Program:
 
 
 def _kernel_storage_value(st: Any) -> None:
-    from torch_tpu._kernels import _storage_value
-
     if getattr(st, "_raw", None) is not None:
-        _storage_value(st, torch.uint8)
+        storage_value(st, torch.uint8)
 
 
 torch.UntypedStorage.resize_ = _resize_storage
@@ -872,3 +870,19 @@ def _resize_storage_bytes(variable: torch.Tensor, new_size: int) -> None:
 
 _inductor_lib = torch.library.Library("inductor", "IMPL")
 _inductor_lib.impl("resize_storage_bytes_", _resize_storage_bytes, "PrivateUse1")
+
+
+def storage_value(st: Any, dtype: torch.dtype) -> Any:
+    """A storage's data as a flat array of ``dtype``; raw bytes (from torch.load) are reinterpreted."""
+    raw = getattr(st, "_raw", None)
+    if raw is not None:
+        item = _dtypes.to_jax(dtype).itemsize
+        if dtype == torch.bool:
+            value = raw.astype(jnp.bool_)
+        elif item == 1:
+            value = lax.bitcast_convert_type(raw, _dtypes.to_jax(dtype))
+        else:
+            value = lax.bitcast_convert_type(raw.reshape(-1, item), _dtypes.to_jax(dtype))
+        st._raw = None
+        st._shape, st._dtype, st._jx = (int(value.shape[0]),), dtype, value
+    return st

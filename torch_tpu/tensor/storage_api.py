@@ -1,6 +1,6 @@
 """The Python storage API (``UntypedStorage``/``TypedStorage``) for tpu storages, as on CPU.
 
-Why: a tpu tensor's data is a jax array on its storage object (``_storage``); the C++
+Why: a tpu tensor's data is a jax array on its storage object (``storage``); the C++
 ``StorageImpl`` made by ``create_empty_tensor`` carries no bytes and, for speed, is not even told
 its size when an op makes a result. PyTorch's storage methods read that C++ size, so a tpu
 storage said ``nbytes() == 0``, ``t.storage()[i]`` raised IndexError, and constructing one
@@ -11,10 +11,10 @@ How: only when user code touches a storage through this API (never on an op's pa
 size is first brought up to the array's size, through the Meta ``set_`` kernel that grows a
 storage's byte count without allocating (as ``resize_storage`` does). Reads and writes of the
 bytes then take torch's own device path: a ``uint8`` tensor ``set_`` onto the storage, which tpu
-reads and writes by reinterpreting the array's bits (``_storage._alias_geometry``). A new storage
+reads and writes by reinterpreting the array's bits (``storage._alias_geometry``). A new storage
 (``UntypedStorage(n | bytes, device="tpu")``) is the storage of a fresh ``uint8`` tpu tensor.
 ``Tensor.data_ptr`` and ``UntypedStorage.data_ptr`` first give a tpu storage its unique address
-(``_storage.give_address``), which code written for CUDA tells storages apart by.
+(``storage.give_address``), which code written for CUDA tells storages apart by.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_tpu._storage import give_address, has_address, logical_nbytes, new_tensor, set_geometry
+from torch_tpu.tensor.storage import give_address, has_address, logical_nbytes, new_tensor, set_geometry
+from torch_tpu.tensor.transfer import host_to_device
 
 _installed = False
 _cpp_nbytes = torch._C.StorageBase.nbytes
@@ -46,7 +47,7 @@ def sync_nbytes(st: Any) -> Any:
 
 
 def _storage_data_ptr(self: Any) -> int:
-    """``UntypedStorage.data_ptr``: a tpu storage's unique address (``_storage.give_address``)."""
+    """``UntypedStorage.data_ptr``: a tpu storage's unique address (``storage.give_address``)."""
     if self.device.type == "tpu" and not give_address(self) and not has_address(self):
         return 0  # torch < 2.13: no address to give (see give_address); an empty storage's is 0
     return _cpp_storage_data_ptr(self)
@@ -81,8 +82,6 @@ def _wrap_synced(name: str) -> None:
 
 def new_storage(nbytes_or_data: Any = 0) -> torch.UntypedStorage:
     """A tpu ``UntypedStorage`` of ``n`` bytes (zeros; CPU's are uninitialised) or of these bytes."""
-    from torch_tpu._kernels import host_to_device
-
     if isinstance(nbytes_or_data, int):
         if nbytes_or_data < 0:
             raise RuntimeError(f"Storage size must be non-negative, but got {nbytes_or_data}")

@@ -1,14 +1,19 @@
-"""From the PyTorch dispatcher to the lowering table.
+"""From the PyTorch dispatcher to the lowering table: one plan per (op, input signature).
 
 For every lowered functional overload this registers three ``PrivateUse1`` kernels: the
-functional one, its in-place twin and its ``out=`` twins. Each kernel:
+functional one, its in-place twin and its ``out=`` twins. Each kernel has two paths.
 
-1. turns its arguments into a hashable signature (tensor shapes and dtypes, static values) and a
-   list of runtime inputs (jax arrays and Python numbers);
-2. on the first call with that signature, runs torch's own meta kernel. That raises exactly the
-   errors CPU raises (shapes, dtypes, in-place casts) and gives the result's shape and dtype. It
-   then builds a :class:`Program` that calls the lowering and casts to those dtypes;
-3. runs the program through the executor and wraps the outputs as tpu tensors.
+* **The fast path**, every call (:meth:`_OpKernel.__call__`): the checks that depend on values or
+  on which tensors alias which (a plan cannot answer them, so they are named in it:
+  :attr:`Plan.value_checks`), the call's signature (tensor shapes and dtypes, static values) with
+  its runtime inputs (jax arrays and Python numbers), the plan looked up by that signature, its
+  program run or recorded, the outputs wrapped as tpu tensors.
+* **The slow path**, once per signature (:meth:`_OpKernel._slow_path`): where the call runs (the
+  placement heuristics: ``host_placement``, ``view_reads``, ``runtime_ints``), then
+  :meth:`_OpKernel._plan`: torch's own meta kernel (exactly CPU's shape, dtype and in-place-cast
+  errors, and the results' shapes and dtypes), CPU's out-dtype and integer refusals, the written
+  tensor's internal overlap, and the :class:`Program` that calls the lowering and casts to the
+  meta kernel's dtypes.
 
 CompositeImplicitAutograd overloads are never registered: a backend kernel would hide their
 autograd formula.
@@ -28,9 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes, _int_churn, _math_bits, _out_dtypes, _overlap, _rng, _shape_churn, _storage, _view_churn
-from torch_tpu._meta import device_mismatch, meta_outputs, to_meta
-from torch_tpu._storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
+from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.core import rng as _rng
+from torch_tpu.dispatch import host_placement as _host_placement
+from torch_tpu.dispatch import runtime_ints as _runtime_ints
+from torch_tpu.dispatch import view_reads as _view_reads
+from torch_tpu.dispatch.fallback import cpu_stream_kernel
 from torch_tpu.ops._registry import (
     HAND_KERNELS,
     IGNORED_KWARGS,
@@ -42,6 +50,12 @@ from torch_tpu.ops._registry import (
 from torch_tpu.runtime import checks, executor, fused, metrics
 from torch_tpu.runtime.errors import raise_named
 from torch_tpu.runtime.executor import Program
+from torch_tpu.tensor import math_bits as _math_bits
+from torch_tpu.tensor import out_dtypes as _out_dtypes
+from torch_tpu.tensor import overlap as _overlap
+from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor.meta import device_mismatch, meta_outputs, to_meta
+from torch_tpu.tensor.storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 
 aten = torch.ops.aten
 
@@ -226,6 +240,30 @@ def _rebuild(s: Any, it) -> Any:
     return s
 
 
+class Plan:
+    """What the calls of one (op, input signature) run, decided once by the slow path.
+
+    ``program``: the XLA program; ``avals``: per result its (shape, dtype), None where an
+    ``output_mask`` leaves it undefined; ``exact``: True when every result is defined, contiguous
+    and of the meta kernel's shape, a list of per-result layouts (``_layout``) when some are
+    strided, else False (the lowering's own shapes). ``value_checks`` names what the fast path
+    still checks at every call, because it depends on values or identities, not on the signature.
+    """
+
+    __slots__ = ("program", "avals", "exact", "value_checks")
+
+    def __init__(self, program: Program, avals: list, exact: Any, value_checks: tuple[str, ...]) -> None:
+        self.program = program
+        self.avals = avals
+        self.exact = exact
+        self.value_checks = value_checks + (("the inputs' host copies (a host op follows)",)
+                                            if program.host_follows else ())
+
+    def __repr__(self) -> str:
+        checks = "; ".join(self.value_checks) or "none"
+        return f"Plan({self.program.name}, every call checks: {checks})"
+
+
 class _OpKernel:
     """The PrivateUse1 kernel of one ATen overload, backed by one lowering."""
 
@@ -242,13 +280,13 @@ class _OpKernel:
         self.pos_dynamic = [self.dynamic[a.name] for a in schema.arguments if not a.kwarg_only]
         positional = [a.name for a in schema.arguments if not a.kwarg_only]
         # value arguments whose Python ints become runtime inputs once they change at every call
-        # (torch_tpu/_int_churn.py); not for lowerings that take their numbers as constants
-        at, kw = _int_churn.value_arguments(schema)
+        # (torch_tpu/dispatch/runtime_ints.py); not for lowerings that take their numbers as constants
+        at, kw = _runtime_ints.value_arguments(schema)
         if lowering.static_scalars or lowering.random:
             at, kw = [], set()
         self.value_at = [i for i in at if self.pos_dynamic[i] != NUMBERS]
         self.value_kw = {k for k in kw if self.dynamic[k] != NUMBERS}
-        self.ints = _int_churn.WATCH if self.value_at or self.value_kw else None
+        self.ints = _runtime_ints.WATCH if self.value_at or self.value_kw else None
         self.int_values: dict = {}  # a call's pattern -> the sets of ints it met
         self.int_sites: set = set()  # the user lines whose ints are runtime inputs
         self.int_dynamic = {**self.dynamic, **{k: NUMBERS for k in self.value_kw},
@@ -265,13 +303,18 @@ class _OpKernel:
         self.overlap = rule if callable(rule) else None
         self.overlap_at = rule if type(rule) is tuple else ()
         self.out_name = self.out_names[0] if self.out_names else None
-        # signature -> (program, per result (shape, dtype) or None when undefined, True when every
-        # result is defined, contiguous and of the meta kernel's shape, a list of per-result layouts
-        # (``_layout``) when some are strided, else False)
-        self.cache: dict[Any, tuple[Program, list, Any]] = {}
+        self.plans: dict[Any, Plan] = {}  # signature -> its plan
+        # the checks the fast path makes at every call (values and identities, which no plan answers)
+        named = []
+        if lowering.check is not None:
+            named.append(f"values ({getattr(lowering.check, '__qualname__', 'the lowering check')})")
+        if self.overlap_at or self.overlap is not None:
+            named.append("the written tensor's overlap with the inputs")
+        self.value_checks = tuple(named)
 
-    # -- building a program for one signature
-    def _build(self, key: Any, args: tuple, kwargs: dict) -> tuple[Program, list, bool]:
+    # -- the slow path: a plan for one signature
+    def _plan(self, key: Any, args: tuple, kwargs: dict) -> Plan:
+        """Every check that the signature decides, and the program: once per (op, signature)."""
         pos_spec, kw_spec = key[0], key[1]
         sig = ", ".join(_describe(s) for s in pos_spec)
         try:
@@ -325,9 +368,11 @@ class _OpKernel:
             def program(*inputs):
                 return tuple(jnp.zeros(*e) for e in empties)
 
-            return Program(f"{name}({sig})", program, multi=True, avals=[jax.ShapeDtypeStruct(*e) for e in empties],
-                           key=tuple(zip([a.name for a in self.op._schema.arguments if not a.kwarg_only], pos_spec))
-                           + tuple(kw_spec)), avals, exact
+            built = Program(f"{name}({sig})", program, multi=True,
+                            avals=[jax.ShapeDtypeStruct(*e) for e in empties],
+                            key=tuple(zip([a.name for a in self.op._schema.arguments if not a.kwarg_only], pos_spec))
+                            + tuple(kw_spec))
+            return Plan(built, avals, exact, self.value_checks)
 
         half_complex = {i for i, a in enumerate(avals) if a is not None and a[1] is torch.complex32}
 
@@ -337,7 +382,7 @@ class _OpKernel:
             pargs = [_rebuild(s, it) for s in pos_spec]
             pkw = {k: _rebuild(s, it) for k, s in zip(kw_names, (s for _, s in kw_spec))}
             res = lowering.apply(key, pargs, pkw, outs, name)
-            if half_complex:  # complex32 results, rounded as a complex32 holds them (_dtypes)
+            if half_complex:  # complex32 results, rounded as a complex32 holds them (dtypes)
                 res = [_dtypes.round_complex32(r) if i in half_complex else r for i, r in enumerate(res)]
             if perms is not None:
                 return tuple(r if p is None else jnp.transpose(r, p) for r, p in zip(res, perms) if r is not None)
@@ -354,8 +399,8 @@ class _OpKernel:
         labelled = tuple(zip(labels, pos_spec)) + tuple(kw_spec)
         built = Program(f"{name}({sig})", program, multi=True, avals=out_avals, key=labelled)
         built.host_follows = (self.kind == "functional" and not random and not lowering.own_shapes
-                              and _shape_churn.may_follow(args, kwargs, avals))
-        return built, avals, exact
+                              and _host_placement.may_follow(args, kwargs, avals))
+        return Plan(built, avals, exact, self.value_checks)
 
     def _resized_layouts(self, args: tuple, kwargs: dict) -> list:
         """Per out= tensor, the layout (``_layout``) CPU gives it when the op resizes it: the
@@ -374,28 +419,28 @@ class _OpKernel:
 
     def _runtime_int_key(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
         """A call's runtime inputs and signature with the value arguments' Python ints as runtime
-        inputs (torch_tpu/_int_churn.py)."""
+        inputs (torch_tpu/dispatch/runtime_ints.py)."""
         dyn: list = []
         pos = tuple([_spec(a, d, dyn, self.name) for a, d in zip(args, self.int_pos_dynamic)])
         return dyn, self._signature(pos, args, kwargs, dyn, self.int_dynamic)
 
     def _ints_at_run_time(self, args: tuple, kwargs: dict, dyn: list, key: Any) -> tuple[list, Any, Any]:
         """Makes the value arguments' Python ints runtime inputs at this call's line (see
-        torch_tpu/_int_churn.py). The first such program is traced abstractly here, at the op: a
+        torch_tpu/dispatch/runtime_ints.py). The first such program is traced abstractly here, at the op: a
         lowering that needs the number itself keeps this kernel's ints static at every line.
-        Returns this call's runtime inputs, signature and cache entry (None: still to be built)."""
+        Returns this call's runtime inputs, signature and plan (None: still to be made)."""
         new_dyn, new_key = self._runtime_int_key(args, kwargs)
-        entry = self.cache.get(new_key)
+        entry = self.plans.get(new_key)
         if entry is None:
             try:
-                entry = self._build(new_key, args, kwargs)
-                jax.eval_shape(entry[0].fn, *[jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is fused.Lazy else x
-                                              for x in new_dyn])
+                entry = self._plan(new_key, args, kwargs)
+                jax.eval_shape(entry.program.fn, *[jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is fused.Lazy
+                                                   else x for x in new_dyn])
             except Exception:  # noqa: BLE001 - the lowering needs its ints (or refuses the call: the static build says)
-                self.ints = _int_churn.REFUSED
+                self.ints = _runtime_ints.REFUSED
                 self.int_values.clear()
                 return dyn, key, None
-            self.cache[new_key] = entry
+            self.plans[new_key] = entry
         self.int_sites.add(fused.user_site())
         return new_dyn, new_key, entry
 
@@ -459,8 +504,41 @@ class _OpKernel:
             key = (*key, tuple([getattr(kwargs.get(n), "dtype", None) for n in self.out_names]))
         return key
 
+    def _slow_path(self, args: tuple, kwargs: dict, key: Any) -> tuple[Plan | None, list, Any]:
+        """A call whose signature has no plan yet: where it runs, then its plan (made once).
+        Returns (plan, the call's runtime inputs, None), or (None, None, the results) where a
+        placement heuristic ran the call itself (on the host, or over views read first)."""
+        kind, lowering, name = self.kind, self.lowering, self.name
+        plain = kind == "functional" and not lowering.random
+        if plain and (_host_placement.inputs_on_host(args, kwargs) or _host_placement.churned_here(name, args, kwargs)):
+            # host results in (nothing to compile or wait for), or a line whose shapes churn
+            return None, None, _host_placement.run(self.op, args, kwargs, name)
+        plan = None
+        if self.int_sites and fused.user_site() in self.int_sites:
+            dyn, key = self._runtime_int_key(args, kwargs)  # a line whose ints change every call
+            plan = self.plans.get(key)
+        else:
+            # the key with _spec's types, which the plan's program and the churn pattern read
+            dyn = []
+            pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
+            key = self._signature(pos, args, kwargs, dyn)
+            if self.ints is _runtime_ints.WATCH and _runtime_ints.churns(self, key, args, kwargs):
+                dyn, key, plan = self._ints_at_run_time(args, kwargs, dyn, key)
+        if plan is None:
+            if plain and _host_placement.on_host(name, key, args, kwargs):
+                return None, None, _host_placement.run(self.op, args, kwargs, name)
+            if kind != "out" and not executor.recording() and _view_reads.churns(name, key):
+                if kind == "functional":
+                    return None, None, _view_reads.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
+                if type(args[0]) is not list:
+                    return None, None, _view_reads.run_inplace(self, args, kwargs)
+            plan = self.plans[key] = self._plan(key, args, kwargs)
+        return plan, dyn, None
+
     # -- the kernel
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The fast path: value checks, the signature, its plan, the program run or recorded, the
+        outputs wrapped. A signature met for the first time takes :meth:`_slow_path`."""
         _op_counts[self.name] += 1
         lowering = self.lowering
         mark = -1
@@ -489,41 +567,22 @@ class _OpKernel:
                 except RuntimeError as e:
                     raise_named(e, self.name)
             dyn: list = []
-            name = self.name
             kind = self.kind
             pos = []
             for a, d in zip(args, self.pos_dynamic):
                 k = _key_of(a, d, dyn)
-                pos.append(_spec(a, d, dyn, name) if k is _SLOW else k)
+                pos.append(_spec(a, d, dyn, self.name) if k is _SLOW else k)
             pos = tuple(pos)
             key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
-            entry = self.cache.get(key)
-            if (entry is None and kind == "functional" and not lowering.random
-                    and (_shape_churn.inputs_on_host(args, kwargs) or _shape_churn.churned_here(name, args, kwargs))):
-                # host results in (nothing to compile or wait for), or a line whose shapes churn
-                return _shape_churn.run(self.op, args, kwargs, name)
-            if entry is None and self.int_sites and fused.user_site() in self.int_sites:
-                dyn, key = self._runtime_int_key(args, kwargs)  # a line whose ints change every call
-                entry = self.cache.get(key)
-            elif entry is None:
-                # the key with _spec's types, which the program's rebuild and the churn pattern read
-                dyn = []
-                pos = tuple([_spec(a, d, dyn, name) for a, d in zip(args, self.pos_dynamic)])
-                key = self._signature(pos, args, kwargs, dyn)
-                if self.ints is _int_churn.WATCH and _int_churn.churns(self, key, args, kwargs):
-                    dyn, key, entry = self._ints_at_run_time(args, kwargs, dyn, key)
-            if entry is None:
-                if kind == "functional" and not lowering.random and _shape_churn.on_host(name, key, args, kwargs):
-                    return _shape_churn.run(self.op, args, kwargs, self.name)
-                if kind != "out" and not executor.recording() and _view_churn.churns(name, key):
-                    if kind == "functional":
-                        return _view_churn.run(self, args, kwargs, lambda: self._metas(args, kwargs), _layout)
-                    if type(args[0]) is not list:
-                        return _view_churn.run_inplace(self, args, kwargs)
-                entry = self.cache[key] = self._build(key, args, kwargs)
-            program, avals, exact = entry
-            if program.host_follows and _shape_churn.arrays_on_host(dyn) and _shape_churn.inputs_on_host(args, kwargs):
-                return _shape_churn.run(self.op, args, kwargs, self.name)  # a host op's results in, nothing to wait for
+            plan = self.plans.get(key)
+            if plan is None:
+                plan, dyn, done = self._slow_path(args, kwargs, key)
+                if plan is None:
+                    return done
+            program = plan.program
+            if (program.host_follows and _host_placement.arrays_on_host(dyn)
+                    and _host_placement.inputs_on_host(args, kwargs)):  # a host op's results in, nothing to wait for
+                return _host_placement.run(self.op, args, kwargs, self.name)
             if lowering.random:
                 generator = kwargs.get("generator")
                 if generator is None and self.generator_at is not None and self.generator_at < len(args):
@@ -531,6 +590,7 @@ class _OpKernel:
                 dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
             recording = executor._mode is _FUSED or executor.recording()
             outs = fused.record(program, dyn) if recording else executor.run_now(program, dyn)
+            avals, exact = plan.avals, plan.exact
             if kind == "functional":
                 if exact is True:
                     if self.single:
@@ -554,11 +614,12 @@ class _OpKernel:
             if kind == "inplace":
                 first = args[0]
                 if type(first) is list:  # _foreach_*_: every tensor of the list, returning nothing
-                    for t, v, k in zip(first, outs, pos[0]):
+                    for t, v, k in zip(first, outs, key[0][0]):
                         _write_result(t, v, k, exact)
                     return None
-                _write_result(first, outs[0], pos[0], exact)
+                _write_result(first, outs[0], key[0][0], exact)
                 return first
+            name = self.name
             targets = [kwargs[n] for n in self.out_names]  # out=
             for i, (t, value, (shape, _)) in enumerate(zip(targets, outs, avals)):
                 if not is_tpu(t):
@@ -900,7 +961,7 @@ def register_lowerings() -> int:
                 continue  # a twin with a lowering of its own
             fn = lowering_kernel(target, lowering, k)
             if lowering.random and _rng.SOURCE == "cpu":
-                fn = _rng.cpu_stream_kernel(target, fn)
+                fn = cpu_stream_kernel(target, fn)
             register_kernel(target, fn, f"lowering ({k})")
             n += 1
     return n

@@ -4,7 +4,7 @@ CPU torch sees every value, so an out-of-range index raises at the op. On an acc
 values live on the device, and reading them at every op would stop the host until the device
 has caught up: a sync per embedding lookup. So a check runs where the values already are:
 
-- values uploaded from the host keep their host copy (``_storage.remember_host_copy``): the check
+- values uploaded from the host keep their host copy (``storage.remember_host_copy``): the check
   runs there, at the op, with no device read. This covers batches of token ids and targets;
 - in debug mode the values are read from the device (a sync), and the check raises at the op;
 - otherwise (indices the device computes, such as ``torch.arange(T, device="tpu")``) the check
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torch_tpu import _dtypes
-from torch_tpu._storage import host_copy, passed_checks, read, to_numpy
+from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.runtime import checks as pending
 from torch_tpu.runtime import executor, fused
 from torch_tpu.runtime.executor import EagerMode, Program, execute
+from torch_tpu.tensor.storage import host_copy, passed_checks, read, to_numpy
 
 # A predicate marks bad elements: bad(xp, values, *params) -> bool array, with xp numpy or jax.numpy.
 Predicate = Callable[..., Any]

@@ -1,66 +1,39 @@
 """The ``tpu`` device: PrivateUse1 renamed, and the ``torch.tpu`` module (shaped like ``torch.cuda``).
 
-This module object itself is registered as ``torch.tpu``.
-
-Device indices: ``tpu:N`` names the N-th local XLA device. PyTorch's Python-only backend hooks
-(``torch._C._acc``) create every tensor on index 0 and give no way to place one elsewhere, so
-tensors live on ``tpu:0``; using more devices goes through SPMD sharding (the distributed issue),
-and ``tpu:N`` for an N>0 that exists raises ``NotImplementedError`` saying so. An index that does
-not exist raises ``RuntimeError`` as CUDA does.
+The light hook (:mod:`_torch_tpu_autoload`) registers ``torch.tpu`` during ``import torch``: a small
+module whose cheap functions (``is_available``, ``is_bf16_supported`` ...) answer without JAX and
+whose other attributes are looked up here once the package is imported. So this module never
+imports the hook: ``torch_tpu/__init__.py`` connects the two. Device indices: :mod:`torch_tpu.core.devices`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import torch
 
-import _torch_tpu_autoload
-from torch_tpu import _rng
+from torch_tpu.core import rng as _rng
+from torch_tpu.core.devices import _devices, check_index, jax_device, platform  # noqa: F401  (torch.tpu's names)
+from torch_tpu.device.graphed_callables import make_graphed_callables  # noqa: F401
+from torch_tpu.device.graphs import (  # noqa: F401  (CUDA graphs' API: capture once, replay per step)
+    TPUGraph,
+    graph,
+    graph_pool_handle,
+    is_current_stream_capturing,
+)
+from torch_tpu.device.streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: F401
 from torch_tpu.runtime.executor import synchronize as _synchronize
-
-_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
-
-
-def platform() -> str:
-    """The XLA platform tpu tensors run on: ``"tpu"``, ``"gpu"`` or ``"cpu"``."""
-    return _PLATFORM_NAMES.get(jax.devices()[0].platform, jax.devices()[0].platform)
-
-
-@functools.lru_cache(maxsize=1)
-def _devices() -> tuple[Any, ...]:
-    return tuple(jax.local_devices())
-
-
-def jax_device(index: int | None = 0) -> Any:
-    """The jax device behind ``tpu:index``."""
-    return _devices()[check_index(index)]
-
-
-def check_index(index: int | None) -> int:
-    """Validates a device index, raising as CUDA does for one that does not exist."""
-    index = 0 if index is None or index < 0 else index
-    n = len(_devices())
-    if index >= n:
-        raise RuntimeError(f"tpu: invalid device ordinal {index}: there are {n} tpu device(s) ({platform()})")
-    if index > 0:
-        raise NotImplementedError(
-            f"tpu:{index}: tensors live on tpu:0 (PyTorch's Python backend hooks create every tensor on "
-            "index 0); use torch_tpu.distributed sharding to spread work over the other devices"
-        )
-    return index
-
+from torch_tpu.runtime.host_reads import get_sync_debug_mode, set_sync_debug_mode  # noqa: F401
+from torch_tpu.tensor.legacy_storage import storage_classes as _storage_classes
+from torch_tpu.tensor.storage import new_tensor
 
 # ------------------------------------------------------------------ the torch.cuda-like API
-# answered without starting JAX (``init_process_group()`` asks before the multi-controller runtime starts)
-is_available = _torch_tpu_autoload.is_available
-is_initialized = _torch_tpu_autoload.is_initialized
-_is_in_bad_fork = _torch_tpu_autoload._is_in_bad_fork
+# (``is_available``, ``is_initialized``, ``get_amp_supported_dtype``, ``is_bf16_supported`` and
+# ``take_lost_exception`` are the light hook's own, set on ``torch.tpu`` before this module loads)
 
 
 def device_count() -> int:
@@ -292,35 +265,8 @@ def accelerator_memory_stats(device: int | str | torch.device | None = None) -> 
     return dict(sorted(out.items()))
 
 
-get_amp_supported_dtype = _torch_tpu_autoload.get_amp_supported_dtype
-is_bf16_supported = _torch_tpu_autoload.is_bf16_supported
-
-
-from torch_tpu._legacy_storage import storage_classes as _storage_classes  # noqa: E402
-from torch_tpu._streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
-from torch_tpu.runtime.graphed_callables import make_graphed_callables  # noqa: E402,F401
-from torch_tpu.runtime.graphs import (  # noqa: E402,F401  (CUDA graphs' API: capture once, replay per step)
-    TPUGraph,
-    graph,
-    graph_pool_handle,
-    is_current_stream_capturing,
-)
-from torch_tpu.runtime.host_reads import get_sync_debug_mode, set_sync_debug_mode  # noqa: E402,F401
-
 # torch.tpu.FloatStorage ... as torch.cuda's (what a tpu tensor's storage_type() names)
 globals().update(_storage_classes())
-
-
-def take_lost_exception() -> BaseException | None:
-    """The last exception the device guard took over from an unwinding backward, or None
-    (:class:`_torch_tpu_autoload._Guard`)."""
-    return _torch_tpu_autoload.take_lost_exception()
-
-
-def register() -> None:
-    """Renames PrivateUse1 to ``tpu`` and installs ``torch.tpu`` (done by the light autoload hook,
-    :mod:`_torch_tpu_autoload`, when ``import torch`` ran it; idempotent)."""
-    _torch_tpu_autoload.register()
 
 
 class _EngineProbe(torch.autograd.Function):
@@ -328,8 +274,6 @@ class _EngineProbe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        from torch_tpu._storage import new_tensor
-
         return new_tensor(tuple(x.shape), x.dtype)  # no device work: nothing reads it
 
     @staticmethod
@@ -346,10 +290,6 @@ def check_autograd_engine() -> None:
     fails deep in the engine with an internal assert that asks for a PyTorch bug report. A probe
     backward over an empty tensor (no device work) finds out here, where the warning can say what
     to do instead."""
-    import warnings
-
-    from torch_tpu._storage import new_tensor
-
     x = new_tensor((0,), torch.float32).requires_grad_()
     try:
         torch.autograd.grad(_EngineProbe.apply(x), x, new_tensor((0,), torch.float32))

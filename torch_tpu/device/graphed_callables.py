@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torch_tpu.runtime.graphs import TPUGraph, graph
+from torch_tpu.device.graphs import TPUGraph, graph
 
 
 def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
