@@ -33,14 +33,14 @@ TEST_GROUPS := GROUP_OPINFO GROUP_OPS GROUP_A_L GROUP_M_Z
 # the extra venvs install exactly the versions named above, so they read an empty one instead.
 NO_CAP := $(abspath .ci/no-constraints.txt)
 
-.PHONY: demo test test-newest test-oldest extra-venvs opinfo coverage lint bench clean
+.PHONY: demo test test-newest test-oldest extra-venvs install-check opinfo coverage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(PINNED_TORCH)" || $(BIN)/pip install -q "torch>=2.11,<2.16"
 	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/python -c "import sys, torch_tpu.core.extension as e; sys.exit(e.main())"
+	$(BIN)/python -P torch_tpu/core/extension.py
 	touch $(STAMP)
 
 # .venv-torch<version>: one venv per extra torch version, with the package installed editable.
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	.venv-torch$*/bin/pip install -q --upgrade pip
 	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q "torch==$*" $(if $(filter $*,$(OLDEST_TORCH)),"jax==$(OLDEST_JAX)" "jaxlib==$(OLDEST_JAX)")
 	PIP_CONSTRAINT=$(NO_CAP) .venv-torch$*/bin/pip install -q -e ".[test]"
-	.venv-torch$*/bin/python -c "import sys, torch_tpu.core.extension as e; sys.exit(e.main())"
+	.venv-torch$*/bin/python -P torch_tpu/core/extension.py
 	touch $@
 
 demo: $(STAMP)
@@ -60,11 +60,12 @@ test: $(STAMP)
 	$(foreach g,$(TEST_GROUPS),$(BIN)/python -m pytest $($(g)) &&) true
 	$(foreach g,$(TEST_GROUPS),TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest $(filter-out $(FUSED_SKIP),$($(g))) &&) true
 
-# The shorter pass on another torch: import, the demo, then SHORT_TESTS.
+# The shorter pass on another torch: import, the demo, then SHORT_TESTS (with the environment in $(2)).
 define short_pass
-	.venv-torch$(1)/bin/python -c "import torch, jax, torch_tpu; print('torch', torch.__version__, 'jax', jax.__version__)"
+	.venv-torch$(1)/bin/python -c "import torch, jax, torch_tpu.core.extension as e; \
+		print('torch', torch.__version__, 'jax', jax.__version__, 'extension', e.available() or e.why_not())"
 	.venv-torch$(1)/bin/python examples/demo.py
-	.venv-torch$(1)/bin/python -m pytest $(SHORT_TESTS)
+	$(2) .venv-torch$(1)/bin/python -m pytest $(SHORT_TESTS)
 endef
 
 # Both extra venvs, without testing: .ci/run builds them while `make test` runs (pip and the
@@ -74,8 +75,15 @@ extra-venvs: .venv-torch$(NEWEST_TORCH)/.installed .venv-torch$(OLDEST_TORCH)/.i
 test-newest: .venv-torch$(NEWEST_TORCH)/.installed
 	$(call short_pass,$(NEWEST_TORCH))
 
+# The oldest torch's tests run as on a machine without a C++ compiler: the extension is built (and
+# the demo uses it) but the tests neither load it nor need it.
 test-oldest: .venv-torch$(OLDEST_TORCH)/.installed
-	$(call short_pass,$(OLDEST_TORCH))
+	$(call short_pass,$(OLDEST_TORCH),TORCH_TPU_NO_EXTENSION=1)
+
+# The sdist installed as a user installs it, into a fresh venv beside .venv's torch: the extension
+# builds at the first import, and the demo trains (tools/check_install.py).
+install-check: $(STAMP)
+	$(BIN)/python tools/check_install.py
 
 opinfo: $(STAMP)
 	TORCH_TPU_OPINFO=all $(BIN)/python -m pytest tests/test_opinfo.py

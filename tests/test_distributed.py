@@ -534,3 +534,66 @@ def test_multi_node_torchrun_on_localhost(tmp_path):
     assert nodes_seen == {"0", "1"}, lines
     for line in lines:
         assert "/2 " in line and "path xla" in line and "sum [3.0, 3.0, 3.0, 3.0]" in line, line
+
+
+_PIPED_SCRIPT = r"""
+import os, datetime, torch, torch.distributed as dist
+import torch_tpu
+dist.init_process_group("tpu", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=30))
+x = torch.arange(4.0, device="tpu")
+dist.all_reduce(x)
+for i in range(2000):  # more than a pipe's buffer, none of it flushed by hand
+    print(f"line {i} {x.sum().item() if i == 1999 else ''}")
+print("the last line")
+"""  # no destroy_process_group: the interpreter's exit must still flush stdout
+
+_PIPED_TEST = r"""
+import datetime, socket, torch, torch.distributed as dist
+import torch_tpu
+
+def test_one_rank_all_reduce():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("tpu", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    x = torch.ones(4, device="tpu")
+    dist.all_reduce(x)
+    assert x.sum().item() == 4
+    dist.destroy_process_group()
+"""
+
+
+def test_a_distributed_script_prints_its_last_line_through_a_pipe(tmp_path):
+    """A distributed script's output through a pipe (block-buffered) reaches it whole at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_PIPED_SCRIPT % _free_port())
+    env = {**os.environ, "TORCH_TPU_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-2:] == ["line 1999 6.0", "the last line"] and len(lines) == 2001, lines[-3:]
+
+
+def test_pytest_quiet_prints_its_closing_line_after_a_distributed_test(tmp_path):
+    """``pytest -q`` over a distributed test, through a pipe, ends with pytest's "N passed" line.
+    It used not to: the project's own ``addopts`` held ``-q`` too, and pytest's ``-qq`` drops that
+    line (nothing was lost at exit)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    test = tmp_path / "test_piped.py"
+    test.write_text(_PIPED_TEST)
+    env = {**os.environ, "TORCH_TPU_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(root / "pyproject.toml"),
+                          "--rootdir", str(tmp_path), str(test)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("1 passed in "), out.stdout[-1000:]

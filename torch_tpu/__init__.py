@@ -34,7 +34,7 @@ from torch_tpu.core import extension as _extension  # noqa: E402
 
 _compat.keep_linalg_checks_in_graphs()
 _torch_tpu_autoload.register()  # PrivateUse1 renamed ``tpu``, ``torch.tpu``, the c10d backend (idempotent)
-_extension.load()  # torch.Generator(device="tpu"), where the set-up command built the C++ extension
+_extension.load()  # the C++ extension: torch.Generator(device="tpu") and more; built here if missing
 
 from torch_tpu import ops  # noqa: E402
 from torch_tpu.compile.backend import adjust_dynamo_when_loaded  # noqa: E402
