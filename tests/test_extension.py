@@ -107,12 +107,15 @@ def test_each_torch_python_and_source_builds_in_its_own_folder(fresh, tmp_path, 
     assert "torch-2.99.0-" in _extension.build_dir().name
 
 
-def test_the_cache_follows_the_cache_directory(monkeypatch, tmp_path):
+def test_the_builds_stay_put_when_the_program_cache_moves(monkeypatch, tmp_path):
+    """A process given a fresh program cache (TORCH_TPU_CACHE_DIR) still finds the extension."""
     monkeypatch.delenv("TORCH_TPU_EXTENSION_DIR", raising=False)
+    home = _extension.cache_root()
+    assert home.parts[-3:] == (".cache", "torch_tpu", "extension")
     monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))
-    assert _extension.cache_root() == tmp_path / "extension"
-    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", "off")  # turns off JAX's program cache only
-    assert _extension.cache_root().parts[-3:] == (".cache", "torch_tpu", "extension")
+    assert _extension.cache_root() == home
+    monkeypatch.setenv("TORCH_TPU_EXTENSION_DIR", str(tmp_path / "builds"))
+    assert _extension.cache_root() == tmp_path / "builds"
 
 
 def test_without_a_ninja_or_python_headers_the_reason_names_it(monkeypatch):

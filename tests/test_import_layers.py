@@ -47,8 +47,8 @@ ALLOWED_LOCAL = {
     ("torch_tpu", "torch_tpu.estimator"),
 }
 # bottom to top, inside the runtime layer (the executor's own stack)
-RUNTIME_ORDER = ["errors", "settle", "residency", "metrics", "cache", "fused", "host_reads", "checks", "executor",
-                 "profiler", "report"]
+RUNTIME_ORDER = ["errors", "settle", "residency", "metrics", "target", "cache", "fused", "host_reads", "checks",
+                 "executor", "profiler", "report"]
 PUBLIC_ROOT = {"torch_tpu", "torch_tpu.custom"}  # the package root holds the public surface only
 
 EDGES = graph.edges(ROOT)

@@ -15,7 +15,9 @@ import jax
 import torch  # noqa: F401  first: torch's backend autoload imports the hook module whole (it imports torch itself)
 
 import _torch_tpu_autoload
+from torch_tpu.core import devices as _devices
 
+_devices.quiet_libtpu_without_a_tpu()  # before JAX picks its platform
 _PLATFORM = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
 if _PLATFORM:
     if _PLATFORM not in ("cpu", "gpu", "tpu"):
@@ -51,12 +53,16 @@ from torch_tpu.dispatch import op_kernel as _op_kernel  # noqa: E402
 from torch_tpu.dispatch import sparse as _sparse  # noqa: E402
 from torch_tpu.runtime import cache as _cache  # noqa: E402
 from torch_tpu.runtime import fused as _fused  # noqa: E402
+from torch_tpu.runtime import target as _target  # noqa: E402
 from torch_tpu.runtime.cache import cache_stats  # noqa: E402
 from torch_tpu.runtime.executor import EagerMode, get_eager_mode, set_eager_mode  # noqa: E402
 from torch_tpu.runtime.metrics import metrics  # noqa: E402
 from torch_tpu.runtime.metrics import reset as reset_metrics  # noqa: E402
 from torch_tpu.runtime.profiler import profile  # noqa: E402
 from torch_tpu.runtime.report import metrics_report  # noqa: E402
+from torch_tpu.runtime.target import TargetCompileError, set_target  # noqa: E402
+from torch_tpu.runtime.target import report as target_report  # noqa: E402
+from torch_tpu.runtime.target import step as target_step  # noqa: E402
 from torch_tpu.tensor import serialization as _serialization  # noqa: E402
 from torch_tpu.tensor import storage_api as _storage_api  # noqa: E402
 
@@ -71,6 +77,7 @@ _storage_api.install()
 _autocast.install()
 ops.conv.install()
 _cache.configure_persistent_cache()
+_target.configure_from_env()  # TORCH_TPU_TARGET: every program also compiled for that TPU chip
 adjust_dynamo_when_loaded()  # Dynamo never traces our kernels, whichever backend runs (see there)
 if not _torch_tpu_autoload.autoloaded():  # registered during ``import torch``, before any backward
     _tpu_module.check_autograd_engine()
@@ -107,5 +114,9 @@ __all__ = [
     "profile",
     "reset_metrics",
     "set_eager_mode",
+    "set_target",
     "sync",
+    "target_report",
+    "target_step",
+    "TargetCompileError",
 ]

@@ -10,11 +10,30 @@ not exist raises ``RuntimeError`` as CUDA does.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
 
 _PLATFORM_NAMES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def quiet_libtpu_without_a_tpu() -> None:
+    """libtpu installed on a machine with no TPU (for compiling to a target chip, ``runtime.target``)
+    would ask a cloud metadata server what TPU this is, at JAX's first use, and print a screen of
+    errors when none answers. With no TPU device file here (``/dev/accel*``, ``/dev/vfio/<n>``) there
+    is none to find: it is told so. Must run before JAX picks its platform; changes nothing on a TPU
+    host, nor where the variables are set already."""
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    # the last: libtpu's lock against two processes sharing a TPU, of which there is none here (a
+    # process that compiles for a target chip would stop every other from loading libtpu)
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        os.environ.setdefault(name, value)
 
 
 def platform() -> str:

@@ -69,18 +69,16 @@ class ExtensionWarning(UserWarning):
 
 def turned_off() -> bool:
     """``TORCH_TPU_NO_EXTENSION=1``: neither built nor loaded, as on a machine without a compiler."""
-    return os.environ.get(_OFF, "").strip().lower() in ("1", "true", "yes")
+    return os.environ.get("TORCH_TPU_NO_EXTENSION", "").strip().lower() in ("1", "true", "yes")
 
 
 def cache_root() -> Path:
-    """The per-user folder of builds: ``TORCH_TPU_EXTENSION_DIR``, else ``extension/`` under the
-    cache directory (``TORCH_TPU_CACHE_DIR``, default ``~/.cache/torch_tpu``)."""
+    """The per-user folder of builds: ``TORCH_TPU_EXTENSION_DIR``, else ``~/.cache/torch_tpu/extension``.
+    Not under ``TORCH_TPU_CACHE_DIR``: a process given a fresh program cache must not build the
+    extension again (two minutes)."""
     if os.environ.get("TORCH_TPU_EXTENSION_DIR"):
         return Path(os.environ["TORCH_TPU_EXTENSION_DIR"]).expanduser()
-    root = os.environ.get("TORCH_TPU_CACHE_DIR", "")
-    if not root or root.lower() == "off":  # "off" turns off JAX's program cache, not the extension
-        root = os.path.join(os.path.expanduser("~"), ".cache", "torch_tpu")
-    return Path(root) / "extension"
+    return Path(os.path.expanduser("~")) / ".cache" / "torch_tpu" / "extension"
 
 
 def _source_hash() -> str:

@@ -42,7 +42,7 @@ import numpy as np
 
 from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.core import rng as _rng
-from torch_tpu.runtime import cache, checks, executor, fused, host_reads, metrics, residency, settle
+from torch_tpu.runtime import cache, checks, executor, fused, host_reads, metrics, residency, settle, target
 from torch_tpu.tensor import storage as _storage
 
 _MADE = object()  # the "value before the capture" of a storage the capture created
@@ -154,6 +154,20 @@ _active: list[TPUGraph] = []
 
 _KEEP_EXECUTABLES = 32
 _executables: dict[tuple, Any] = {}  # the compiled graphs by what they recorded (see TPUGraph._build)
+
+
+def _op_parts(key: list, specs: list, sites: list) -> list[tuple[str, Any, list]]:
+    """Each op of a captured graph as (name and user line, its program, its inputs' shapes): a graph
+    that fails to compile for the target chip is blamed on the ops that fail on their own."""
+    env: list = []
+    parts = []
+    for i, (program, wiring) in enumerate(key):
+        xs = [env[w[1]][w[2]] if w[0] == "n" else specs[w[1]] if w[0] == "a" else w[1] for w in wiring]
+        out = jax.eval_shape(program.fn, *xs)
+        env.append(out if program.multi else (out,))
+        site = sites[i] if i < len(sites) else None
+        parts.append((f"{program.name} at {cache._site_text(site)}", program.fn, xs))
+    return parts
 
 
 def _constant_key(w: tuple) -> tuple:
@@ -356,6 +370,12 @@ class TPUGraph:
 
         slot = {o: i for i, o in enumerate(outputs)}
         bound = {p for p, _ in inputs}
+        if target.active():  # also compiled for the target chip (runtime.target)
+            first = next((s for s in sites if s is not None), None)
+            compiled = target.watch(
+                compiled, kind="graph", name=f"tpu graph ({len(nodes)} ops)", fn=replay,
+                ops=[program.name for program, _ in key], site=lambda: cache._site_text(first) if first else None,
+                donate=tuple(donate), parts=lambda specs: _op_parts(key, specs, sites), fixed=True)
         self._exe = compiled
         self._template = [None if p in bound else x for p, x in enumerate(args)]  # never a static input's array
         self._inputs = inputs

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax._src.lax.lax import _convert_element_type
 
-from torch_tpu.runtime import metrics, residency, settle
+from torch_tpu.runtime import metrics, residency, settle, target
 from torch_tpu.runtime.errors import raise_named
 
 RECOMPILE_WARN = int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
@@ -255,7 +255,9 @@ def _weak_float(numbers: Any, i: int) -> Any:
     return _convert_element_type(numbers[i], jax.dtypes.canonicalize_dtype(np.float64), weak_type=True)
 
 
-def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tuple[Any, float]:
+def _replay(key: Any, outputs: list) -> Any:
+    """The trace as one function of its inputs: each op's program on the outputs of those before."""
+
     def replay(*a: Any) -> list:
         env: list = []
         numbers = a[-1] if a else None  # the runtime floats, when the trace has any ("f" entries): the last argument
@@ -266,9 +268,39 @@ def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tupl
             env.append(r if program.multi else (r,))
         return [env[i][j] for i, j in outputs]
 
+    return replay
+
+
+def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    compiled = jax.jit(replay, donate_argnums=donate).lower(*args).compile()
+    compiled = jax.jit(_replay(key, outputs), donate_argnums=donate).lower(*args).compile()
     return compiled, time.perf_counter() - t0
+
+
+def _op_parts(key: Any, specs: list, sites: list) -> list[tuple[str, Any, list]]:
+    """Each op of a trace as (name and user line, its program, its inputs' shapes): a trace that
+    fails to compile for the target chip is blamed on the ops that fail on their own."""
+    env: list = []
+    parts = []
+    weak_float = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.float64), weak_type=True)
+    for i, (program, wiring) in enumerate(key):
+        xs = [env[w[1]][w[2]] if w[0] == "n" else weak_float if w[0] == "f" else specs[w[1]] for w in wiring]
+        out = jax.eval_shape(program.fn, *xs)
+        env.append(out if program.multi else (out,))
+        site = sites[i] if i < len(sites) else None
+        parts.append((f"{program.name} at {_site_text(site)}", program.fn, xs))
+    return parts
+
+
+def _watched(compiled: Any, key: Any, donate: tuple[int, ...], outputs: list, sites: list, fingerprint: str) -> Any:
+    """A trace's executable, also compiled for the target chip where one is set (runtime.target)."""
+    if not target.active():
+        return compiled
+    first = next((s for s in sites if s is not None), None)
+    return target.watch(
+        compiled, kind="fused", name=f"fused program {fingerprint} ({len(key)} ops)", fn=_replay(key, outputs),
+        ops=[program.name for program, _ in key], site=lambda: _site_text(first) if first else None,
+        donate=donate, parts=lambda specs: _op_parts(key, specs, sites), fixed=True)
 
 
 def _choose(variants: list[Entry], want: list) -> Entry | None:
@@ -311,12 +343,13 @@ def run_trace(
     elif previous is not None:
         _record_recompile(site, explain(previous, now, sites))
     _last_key_at_site[site] = now
+    fingerprint = _fingerprint(key)
     entry = Entry(
-        fingerprint=_fingerprint(key),
+        fingerprint=fingerprint,
         ops=len(key),
         outputs=frozenset(outputs),
         slots={o: i for i, o in enumerate(outputs)},
-        compiled=compiled,
+        compiled=_watched(compiled, key, donate, outputs, sites, fingerprint),
         compile_seconds=seconds,
     )
     _entries.setdefault((key, donate), []).append(entry)

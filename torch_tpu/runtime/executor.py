@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from torch_tpu.runtime import cache, checks, fused, metrics, residency
+from torch_tpu.runtime import cache, checks, fused, metrics, residency, target
 from torch_tpu.runtime.errors import raise_named
 
 
@@ -192,7 +192,10 @@ class Program:
 
     def _compile_and_run(self, *inputs: Any) -> Any:
         residency.before_compile()
-        self._jitted = jax.jit(self.fn)
+        jitted = jax.jit(self.fn)
+        if target.active():  # also compiled for the target chip, per input signature (runtime.target)
+            jitted = target.watch(jitted, kind="program", name=self.name, fn=self.fn, ops=[self.name], site=_user_line)
+        self._jitted = jitted
         _compiled.add(self)
         t0 = time.perf_counter()
         out = self._jitted(*inputs)  # traces and compiles on first call
@@ -208,6 +211,11 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program({self.name})"
+
+
+def _user_line() -> str | None:
+    site = fused.user_site()
+    return f"{site[0]}:{site[1]}" if site else None
 
 
 _compiled: weakref.WeakSet[Program] = weakref.WeakSet()  # the programs holding an executable

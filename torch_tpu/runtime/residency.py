@@ -79,12 +79,18 @@ def before_compile() -> None:
         evict(held)
 
 
+def drop_programs() -> None:
+    """Drops every compiled program the droppers hold, which then compile again when next used: for
+    a change in how programs are compiled (a TPU target set, ``runtime.target``), not for memory."""
+    for drop in _droppers:
+        drop()
+
+
 def evict(held: int | None = None) -> None:
     """Drops every compiled program held in memory (see the module docstring)."""
     import jax
 
-    for drop in _droppers:
-        drop()
+    drop_programs()
     jax.clear_caches()
     evictions[0] += 1
     if not _warned[0]:

@@ -1,0 +1,149 @@
+"""A target TPU chip (torch_tpu.runtime.target): the programs that run here are compiled for it by
+XLA:TPU (libtpu's compile-only client), failures are reported with their ops and the user's line,
+and the report projects a step's speed from XLA:TPU's own figures. Needs libtpu; skipped without."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu
+from torch_tpu.runtime import target as _target
+
+pytestmark = pytest.mark.skipif(not _target.available(), reason="a TPU target needs libtpu (pip install libtpu)")
+
+
+@pytest.fixture
+def v5e(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))  # the analyses' disk cache: empty
+    with torch_tpu.set_target("v5e") as t:
+        yield t
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line)
+
+
+def test_a_program_compiles_for_the_chip_with_its_cost_and_memory(v5e):
+    a, b = torch.randn(64, 32, device="tpu"), torch.randn(32, 16, device="tpu")
+    (a @ b).cpu()
+    (a @ b).cpu()  # the same signature: counted, not compiled again
+    report = torch_tpu.target_report()
+    assert report["chip"] == "v5e" and report["topology"] == "v5e:2x2"
+    assert report["programs"]["failed"] == 0 and report["programs"]["pending"] == 0
+    mm = [p for p in report["per_program"] if p["program"].startswith("aten.mm.default(float32[64, 32]")]
+    assert len(mm) == 1, [p["program"] for p in report["per_program"]]
+    mm = mm[0]
+    assert mm["calls"] == 2 and mm["kind"] == "program"
+    assert mm["flops"] == 2 * 64 * 32 * 16  # XLA:TPU's own count of the matmul
+    # HBM as the chip lays it out, in tiles: at least the arrays' own bytes
+    assert mm["argument_bytes"] >= (64 * 32 + 32 * 16) * 4 and mm["output_bytes"] >= 64 * 16 * 4
+    assert mm["peak_bytes"] > 0 and 0 < mm["peak_hbm_share"] < 1e-3
+    assert mm["device_ms"] > 0 and mm["device_ms_source"] in ("xla", "roofline")
+
+
+def test_a_program_that_does_not_compile_is_reported_once_with_its_op_and_line(v5e):
+    a = torch.arange(16, device="tpu").reshape(4, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        (a @ a).cpu()  # int64 matmul: XLA:TPU has no 64-bit dot  [mm-line]
+        report = torch_tpu.target_report()
+        torch_tpu.target_report()
+    said = [str(w.message) for w in seen if "does not compile" in str(w.message)]
+    assert len(said) == 1, said
+    line = f"{__file__}:{_line_of('[mm-line]')}"
+    assert "aten.mm.default(int64[4, 4], int64[4, 4])" in said[0] and line in said[0]
+    assert report["programs"]["failed"] == 1
+    (failure,) = report["failures"]
+    assert failure["site"] == line and failure["ops"] == ["aten.mm.default(int64[4, 4], int64[4, 4])"]
+    assert "dot" in failure["error"] and "UNIMPLEMENTED" in failure["error"]
+    assert "FAILED aten.mm.default" in str(report)
+
+
+def test_strict_raises_at_the_op(v5e, monkeypatch):
+    monkeypatch.setattr(_target, "_strict", True)
+    a = torch.arange(16, device="tpu").reshape(4, 4) + 1
+    with pytest.raises(torch_tpu.TargetCompileError, match=r"aten\.mm\.default\(int64.*test_target\.py:\d+"):
+        a @ a
+
+
+def test_a_fused_trace_that_fails_is_blamed_on_its_op(v5e):
+    with torch_tpu.set_eager_mode("fused"):
+        x = torch.randn(4, 4, device="tpu")
+        i = torch.arange(16, device="tpu").reshape(4, 4)
+        y = (x * 2).sum() + (i @ i).sum()  # [fused-mm-line]
+        y.cpu()
+    report = torch_tpu.target_report()
+    failed = [f for f in report["failures"] if f["kind"] == "fused"]
+    assert len(failed) == 1, report["failures"]
+    line = f"{__file__}:{_line_of('[fused-mm-line]')}"
+    assert failed[0]["ops"] == [f"aten.mm.default(int64[4, 4], int64[4, 4]) at {line}"]
+
+
+def test_a_captured_graph_compiles_for_the_chip(v5e):
+    x = torch.randn(8, 8, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        y = (x @ x).relu()
+    for _ in range(3):
+        g.replay()
+    y.cpu()
+    graphs = [p for p in torch_tpu.target_report()["per_program"] if p["kind"] == "graph"]
+    assert len(graphs) == 1 and graphs[0]["calls"] == 3 and graphs[0]["flops"] >= 2 * 8**3
+
+
+def test_steps_project_speed_and_which_side_binds(v5e):
+    w = torch.randn(128, 128, device="tpu")
+    for _ in range(3):
+        with torch_tpu.target_step():
+            (w @ w).tanh().sum().item()
+    s = torch_tpu.target_report()["step"]
+    assert s["steps"] == 2  # the first, which compiled, is left out
+    for key in ("device_ms_per_step", "device_ms_source", "host_ms_per_step", "projected_steps_per_s",
+                "projected_mfu", "bound", "peak_hbm_bytes", "peak_hbm_share"):
+        assert key in s
+    assert s["bound"] == "host"  # a few tiny ops: microseconds on the chip, the host's Python is the step
+    assert s["projected_steps_per_s"] == pytest.approx(1e3 / max(s["host_ms_per_step"], s["device_ms_per_step"]))
+
+
+def test_projections_from_known_figures():
+    chip = _target.CHIPS["v5e"]
+    assert _target.roofline(197e12, 0, chip) == pytest.approx(1.0)
+    assert _target.roofline(0, 819e9 / 2, chip) == pytest.approx(0.5)
+    p = _target.projection(device_s=0.004, host_s=0.001, flops=197e12 * 0.002, chip=chip, peak=chip.hbm_bytes // 4)
+    assert p["bound"] == "device" and p["projected_steps_per_s"] == pytest.approx(250)
+    assert p["projected_mfu"] == pytest.approx(0.5) and p["peak_hbm_share"] == pytest.approx(0.25)
+    p = _target.projection(device_s=0.001, host_s=0.002, flops=0, chip=chip)
+    assert p["bound"] == "host" and p["projected_steps_per_s"] == pytest.approx(500)
+    r = _target.Result("program", "p", ["p"], None, cost={"flops": 197e9, "bytes accessed": 0.0, "optimal_seconds": -1})
+    assert r.device_seconds(chip) == (pytest.approx(1e-3), "roofline")
+    r.cost["optimal_seconds"] = 2e-3
+    assert r.device_seconds(chip) == (2e-3, "xla")
+
+
+def test_set_target_is_a_context_manager_and_names_what_it_accepts():
+    assert _target.current() is None
+    with torch_tpu.set_target("v6e:2x2") as t:
+        assert _target.current() is t and t.chip.name == "v6e"
+    assert _target.current() is None
+    with pytest.raises(RuntimeError, match="no tpu target is set"):
+        torch_tpu.target_report()
+    with pytest.raises(ValueError, match="v4, v5e, v5p, v6e"):
+        torch_tpu.set_target("v3")
+
+
+def test_the_environment_variable_sets_the_target(tmp_path):
+    script = ("import torch, torch_tpu\n"
+              "(torch.ones(3, device='tpu') * 2).cpu()\n"
+              "r = torch_tpu.target_report()\n"
+              "print(r['chip'], r['topology'], r['programs']['compiled'] >= 1, r['programs']['failed'])\n")
+    env = {**os.environ, "TORCH_TPU_TARGET": "v5p", "TORCH_TPU_PLATFORM": "cpu", "TORCH_TPU_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["v5p", "v5p:2x2x1", "True", "0"], out.stdout
