@@ -596,3 +596,37 @@ def test_isin_is_one_program_like_cpu(invert):
         like_cpu(lambda x, y: torch.isin(x, y, invert=invert), a, b)
     assert torch_tpu.metrics()["decomposition_counts"].get("aten.isin.Tensor_Tensor", 0) == \
         before.get("aten.isin.Tensor_Tensor", 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64])
+def test_64_bit_integer_products_are_exact_and_wrap_as_on_cpu(dtype):
+    """64-bit integer matrix products run without a 64-bit dot (which XLA:TPU cannot compile):
+    CPU's values, overflow wrapping included, for every product op, in one chunk or several."""
+    if dtype == torch.uint64 and not hasattr(torch.Tensor, "__matmul__"):
+        pytest.skip("no uint64 matmul")
+    g = torch.Generator().manual_seed(0)
+    big = 2**62 if dtype == torch.int64 else 2**63
+
+    def ints(*shape, high=1000):
+        return torch.randint(0, high, shape, generator=g).to(dtype)
+
+    cases = [
+        (torch.mm, (ints(5, 7), ints(7, 3))),
+        (torch.bmm, (ints(2, 4, 6), ints(2, 6, 5))),
+        (torch.mv, (ints(4, 6), ints(6))),
+        (torch.dot, (ints(9), ints(9))),
+        (torch.matmul, (ints(3, 1, 4, 5), ints(2, 5, 2))),  # broadcast batch
+        (lambda c, a, b: torch.addmm(c, a, b, beta=2, alpha=3), (ints(3, 2), ints(3, 4), ints(4, 2))),
+        (torch.addbmm, (ints(3, 2), ints(5, 3, 4), ints(5, 4, 2))),
+        (torch.mm, (torch.full((2, 3), big - 1).to(dtype), torch.full((3, 2), 7).to(dtype))),  # wraps
+        (torch.mm, (ints(64, 2100, high=2**40), ints(2100, 64, high=2**40))),  # several chunks, wrapping
+    ]
+    for op, args in cases:
+        try:
+            want = op(*args)
+        except (RuntimeError, NotImplementedError) as e:  # an op CPU does not have for this dtype
+            with pytest.raises(type(e)):
+                op(*[a.to("tpu") for a in args])
+            continue
+        got = op(*[a.to("tpu") for a in args])
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want), op

@@ -17,10 +17,12 @@ are hand-written kernels.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -36,8 +38,46 @@ _PRECISION = {
 }
 
 
+_WIDE_INTS = (np.dtype(np.int64), np.dtype(np.uint64))
+_INTERMEDIATE = 1 << 22  # elements of one chunk's products in the 64-bit integer product
+
+
+def _wide_int_matmul(a, b):
+    """``a @ b`` (matmul's shapes) of 64-bit integers without a 64-bit dot, which XLA:TPU cannot
+    compile ("dot s64"): the products summed over the inner dimension, in chunks of it so that no
+    intermediate holds more than ``_INTERMEDIATE`` elements. Exact, wrapping as CPU's int64 does
+    (a sum of wrapped products is the same in any order), so every platform runs this one."""
+    vec_a, vec_b = a.ndim == 1, b.ndim == 1
+    a = a[None, :] if vec_a else a
+    b = b[:, None] if vec_b else b
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    a, b = jnp.broadcast_to(a, (*batch, m, k)), jnp.broadcast_to(b, (*batch, k, n))
+    chunk = max(1, min(k, _INTERMEDIATE // max(1, math.prod(batch) * m * n)))
+    steps = -(-k // chunk)
+    if steps * chunk != k:  # zeros add nothing
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, steps * chunk - k)])
+        b = jnp.pad(b, [(0, 0)] * (b.ndim - 2) + [(0, steps * chunk - k), (0, 0)])
+
+    def add_chunk(i, acc):
+        ai = lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=a.ndim - 1)
+        bi = lax.dynamic_slice_in_dim(b, i * chunk, chunk, axis=b.ndim - 2)
+        return acc + jnp.sum(ai[..., :, :, None] * bi[..., None, :, :], axis=-2)
+
+    out = jnp.zeros((*batch, m, n), jnp.result_type(a, b))
+    out = add_chunk(0, out) if steps == 1 else lax.fori_loop(0, steps, add_chunk, out)
+    out = out[..., 0, :] if vec_a else out
+    return out[..., 0] if vec_b else out
+
+
 def _dot(a, b, precision, subscripts: str | None = None):
     """``a @ b`` (or an einsum) with float32 accumulation for half-precision inputs."""
+    if a.dtype in _WIDE_INTS or b.dtype in _WIDE_INTS:
+        if subscripts is None:
+            return _wide_int_matmul(a, b)
+        if subscripts == "bij,bjk->ik":  # addbmm
+            return _wide_int_matmul(a, b).sum(0)
+        raise NotImplementedError(f"tpu: a 64-bit integer einsum {subscripts!r} has no lowering")
     low = a.dtype in (jnp.bfloat16, jnp.float16)
     pet = jnp.float32 if low else None
     if subscripts is None:
