@@ -166,3 +166,25 @@ def test_the_environment_variable_sets_the_target(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["v5p", "v5p:2x2x1", "True", "0"], out.stdout
+
+
+def test_eig_runs_on_the_host_for_a_tpu_target_and_is_named(tmp_path, monkeypatch):
+    """XLA has no TPU kernel for a general eigensolver: with a TPU target (or on a TPU) eager eig
+    runs on the host, counted as a fallback and named in the report; without one, on the device."""
+    from torch_tpu.runtime import metrics
+
+    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))
+    a = torch.randn(5, 5)
+    name = "aten.linalg_eig.default"
+    before = metrics.fallback_counts[name]
+    torch.linalg.eig(a.to("tpu"))
+    assert metrics.fallback_counts[name] == before  # no target: XLA:CPU's eig
+    with torch_tpu.set_target("v5e"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            w, _ = torch.linalg.eig(a.to("tpu"))
+        torch.testing.assert_close(w.cpu(), torch.linalg.eig(a)[0])
+        report = torch_tpu.target_report()
+    assert metrics.fallback_counts[name] == before + 1
+    assert report["host_fallbacks"] == {name: 1} and report["programs"]["failed"] == 0, report
+    assert any("no TPU kernel" in str(m.message) for m in seen) and "on the host" in str(report)

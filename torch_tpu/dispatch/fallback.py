@@ -21,8 +21,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_tpu.core import rng as _rng
+from torch_tpu.core.devices import platform
 from torch_tpu.ops._registry import LOWERINGS
 from torch_tpu.runtime import executor, metrics
+from torch_tpu.runtime import target as _target
 from torch_tpu.runtime.errors import raise_named
 from torch_tpu.tensor import out_dtypes as _out_dtypes
 from torch_tpu.tensor import overlap as _overlap
@@ -207,6 +209,29 @@ def register() -> None:
     global _lib
     _lib = torch.library.Library("_", "IMPL")
     _lib.fallback(fallback, "PrivateUse1")
+
+
+def host_on_tpu_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:
+    """The kernel of an op XLA cannot compile for a TPU (``Lowering.host_on_tpu``: eig): on a TPU,
+    or with a TPU target set (``runtime.target``), each call runs on the host as a CPU fallback
+    (counted, warned once, named in the target's report); elsewhere the device kernel runs."""
+    name = str(op)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not (_target.active() or platform() == "tpu"):
+            return device_kernel(*args, **kwargs)
+        _target.note_host_op(name)
+        metrics.op_counts[name] += 1
+        metrics.fallback_counts[name] += 1
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"tpu: {name} has no TPU kernel in XLA; it runs on the host (counted in "
+                          "torch_tpu.metrics())", stacklevel=2)
+        with executor.eager_section():
+            return run_on_cpu(op, args, kwargs)
+
+    run.counts_itself = True
+    return run
 
 
 def cpu_stream_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:

@@ -38,7 +38,7 @@ from torch_tpu.core import rng as _rng
 from torch_tpu.dispatch import host_placement as _host_placement
 from torch_tpu.dispatch import runtime_ints as _runtime_ints
 from torch_tpu.dispatch import view_reads as _view_reads
-from torch_tpu.dispatch.fallback import cpu_stream_kernel
+from torch_tpu.dispatch.fallback import cpu_stream_kernel, host_on_tpu_kernel
 from torch_tpu.ops._registry import (
     HAND_KERNELS,
     IGNORED_KWARGS,
@@ -962,6 +962,8 @@ def register_lowerings() -> int:
             fn = lowering_kernel(target, lowering, k)
             if lowering.random and _rng.SOURCE == "cpu":
                 fn = cpu_stream_kernel(target, fn)
+            if lowering.host_on_tpu:
+                fn = host_on_tpu_kernel(target, fn)
             register_kernel(target, fn, f"lowering ({k})")
             n += 1
     return n

@@ -61,6 +61,9 @@ class Lowering:
     # constant, a flag that flips once, such as "this sequence is done", would compile a program
     # per value). Only for arguments no shape depends on.
     runtime_numbers: tuple[str, ...] = ()
+    # XLA has no TPU kernel for it (eig): eager calls run on the host where the platform or the
+    # TPU target is a TPU, counted as CPU fallbacks (``dispatch.fallback.host_on_tpu_kernel``)
+    host_on_tpu: bool = False
 
     def apply(self, key: Any, args: Sequence, kwargs: dict, outs: Sequence, name: str) -> list:
         """Calls the lowering: the one protocol of eager programs and of compiled graphs.
@@ -179,6 +182,7 @@ def lower(
     variants: dict | None = None,
     choose: Callable | None = None,
     runtime_numbers: tuple[str, ...] = (),
+    host_on_tpu: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 
@@ -194,7 +198,7 @@ def lower(
         if variants:
             call = functools.partial(call, **next(iter(variants.values())))
         entry = Lowering(call, static_scalars, random, check, graph_only, meta, own_shapes, not by_name, variants,
-                         choose, runtime_numbers)
+                         choose, runtime_numbers, host_on_tpu)
         for target in targets:
             if target is None:  # an op this torch version lacks (torch_tpu.core.compat.aten_overload)
                 continue

@@ -839,7 +839,8 @@ def _eig(A, vectors: bool):
     CPU's; eigenvectors normalised to unit 2-norm with their largest component real, as CPU's, but
     a real input's vectors may differ from CPU's in sign (jaxlib's LAPACK is not CPU's MKL).
     PyTorch's OpInfo compares their absolute values, and eig's backward needs phase-invariant
-    losses anyway. XLA implements eig on CPU only (not on TPU or GPU)."""
+    losses anyway. XLA implements eig on CPU only (not on TPU or GPU): where the platform or the
+    TPU target is a TPU, eager calls run on the host instead (``host_on_tpu``)."""
     ct = jnp.result_type(A.dtype, jnp.complex64)
     if A.size == 0:
         return jnp.zeros(A.shape[:-1], ct), jnp.zeros(A.shape, ct)
@@ -849,12 +850,12 @@ def _eig(A, vectors: bool):
     return w.astype(ct), v.astype(ct)
 
 
-@lower(aten.linalg_eig, check=_dtype_check("linalg_eig_out_cpu"))
+@lower(aten.linalg_eig, check=_dtype_check("linalg_eig_out_cpu"), host_on_tpu=True)
 def linalg_eig(self):
     return _eig(self, True)
 
 
-@lower(aten._linalg_eigvals, check=_dtype_check("linalg_eig_out_cpu"))
+@lower(aten._linalg_eigvals, check=_dtype_check("linalg_eig_out_cpu"), host_on_tpu=True)
 def _linalg_eigvals(self):
     return _eig(self, False)[0]
 

@@ -135,6 +135,7 @@ _lock = threading.Lock()
 _results: list[Result] = []
 _by_key: dict[tuple, Result] = {}
 _unreported: list[Result] = []
+_host_ops: dict[str, int] = {}  # op -> calls run on the host for want of a TPU kernel
 _steps: list[tuple[float, dict[int, int]]] = []  # (host seconds, {result index: calls}) per marked step
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -186,9 +187,15 @@ def configure_from_env() -> None:
         set_target(spec)
 
 
+def note_host_op(name: str) -> None:
+    """An op that ran on the host because XLA has no TPU kernel for it (eig): named in the report."""
+    _host_ops[name] = _host_ops.get(name, 0) + 1
+
+
 def reset() -> None:
     """Forgets every result and step (the target stays)."""
     with _lock:
+        _host_ops.clear()
         _results.clear()
         _by_key.clear()
         _unreported.clear()
@@ -405,6 +412,8 @@ class TargetReport(dict):
                  f"compiled, {self['programs']['failed']} failed, {self['programs']['pending']} pending"]
         for f in self["failures"]:
             lines.append(f"  FAILED {f['program']} ({', '.join(f['ops'][:8])}) at {f['site']}: {f['error']}")
+        for op, calls in self["host_fallbacks"].items():
+            lines.append(f"  on the host (no TPU kernel in XLA): {op}, {calls} call(s)")
         s = self.get("step")
         if s:
             lines.append(
@@ -456,7 +465,7 @@ def report(wait: bool = True) -> TargetReport:
         chip=chip.name, topology=_target.topology,
         programs={"compiled": sum(r.ok is True for r in results), "failed": len(failures),
                   "pending": sum(r.ok is None for r in results)},
-        failures=failures, per_program=per_program, step=None,
+        failures=failures, per_program=per_program, host_fallbacks=dict(_host_ops), step=None,
     )
     if steps:
         out["step"] = project(results, steps, chip)
