@@ -22,3 +22,24 @@ def test_train_reports_speed_cpu_time_and_the_cpu_loss(mode):
     assert ours["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4, abs=1e-5)
     if mode == "estimator":  # TPUEstimator().fit: its steps replayed after the warm-up one
         assert ours["execution"] == "replay" and ours["replayed_steps"] == 8
+
+
+_TARGET_KEYS = {"chip", "device_ms_per_step", "device_ms_source", "peak_hbm_bytes", "hbm_bytes", "host_ms_per_step",
+                "projected_steps_per_s", "projected_mfu", "bound", "failed_programs", "steps", "peak_hbm_share"}
+
+
+@pytest.mark.skipif(not torch_tpu.runtime.target.available(), reason="a TPU target needs libtpu")
+@pytest.mark.parametrize("mode", ["strict", "graph", "estimator"])
+def test_train_projects_the_step_on_a_target_chip(mode, tmp_path, monkeypatch):
+    """``bench train --target v5e``: the row's "target" object, from the timed steps' programs as
+    XLA:TPU compiled them, and the host time the row measured."""
+    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))
+    row = train("mlp", mode, steps=2, warmup=2, target="v5e")
+    t = row["target"]
+    assert set(t) == _TARGET_KEYS, set(t) ^ _TARGET_KEYS
+    assert t["chip"] == "v5e:2x2" and t["failed_programs"] == 0 and t["steps"] == 6
+    assert t["host_ms_per_step"] == pytest.approx(row["host_ms_per_step"], rel=1e-3)
+    assert t["device_ms_per_step"] > 0 and 0 < t["peak_hbm_bytes"] < t["hbm_bytes"]
+    assert t["projected_steps_per_s"] == pytest.approx(1e3 / max(t["host_ms_per_step"], t["device_ms_per_step"]),
+                                                       rel=1e-3)
+    assert torch_tpu.runtime.target.current() is None  # the target is given back

@@ -60,6 +60,7 @@ from torch_tpu.bench import decode, distributed, workloads
 from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.estimator import TPUEstimator
 from torch_tpu.estimator.execution import compile_counters
+from torch_tpu.runtime import target as _target
 
 
 def _per_op_us(fn, x, y, n: int, sync) -> float:
@@ -144,7 +145,7 @@ def _captured(step: Any) -> tuple[Any, torch.Tensor]:
     return replay, first
 
 
-def _estimator_train(workload: str, steps: int, warmup: int) -> dict:
+def _estimator_train(workload: str, steps: int, warmup: int, window: _target_window | None = None) -> dict:
     """``train`` for ``TPUEstimator().fit`` (default mode): as many steps as the other modes, from
     the same weights, over a loader of the fixed batch. A step-end callback that reads the loss at
     the windows' ends (so their queued work is done) times them, and it alone reads the loss. The
@@ -159,6 +160,8 @@ def _estimator_train(workload: str, steps: int, warmup: int) -> dict:
         if logs["step"] in ends:
             logs["loss"]  # noqa: B018 - the host read that ends the window's queued work
             marks[logs["step"]] = (time.perf_counter(), time.process_time(), _host_ns(), _compile_seconds())
+            if window is not None and logs["step"] == warmup + 1:
+                window.start()
 
     compiled0 = _compile_seconds()
     t0 = time.perf_counter()
@@ -170,16 +173,44 @@ def _estimator_train(workload: str, steps: int, warmup: int) -> dict:
     best = max(steps / (at[k + 1][0] - at[k][0]) for k in range(3))
     cpu_ms = (at[3][1] - at[0][1]) / (3 * steps) * 1e3
     host_ms = (at[3][2] - at[0][2]) / (3 * steps) / 1e6
-    return {"workload": workload, "mode": "estimator", "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
-            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
-            "host_ms_per_step": round(host_ms, 3), "final_loss": round(history.loss[-1], 5),
-            "execution": history.execution, "replayed_steps": history.replayed_steps,
-            "platform": torch_tpu.platform()}
+    row = {"workload": workload, "mode": "estimator", "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
+           "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
+           "host_ms_per_step": round(host_ms, 3), "final_loss": round(history.loss[-1], 5),
+           "execution": history.execution, "replayed_steps": history.replayed_steps,
+           "platform": torch_tpu.platform()}
+    if window is not None:
+        row["target"] = window.figures(3 * steps, host_ms)
+    return row
 
 
-def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
+def train(workload: str, mode: str, steps: int, warmup: int = 3, target: str | None = None) -> dict:
+    """Steps/s of ``workload`` in ``mode``; with ``target`` (a TPU chip), every program of the run is
+    also compiled for it and the row gains a ``"target"`` object: the timed steps' projected device
+    ms (XLA:TPU's estimate, else the roofline), the host ms measured here, the projected steps/s
+    and MFU, the bound, the peak HBM (``torch_tpu.runtime.target``)."""
+    if target is None:
+        return _train(workload, mode, steps, warmup, None)
+    with torch_tpu.set_target(target):
+        return _train(workload, mode, steps, warmup, _target_window())
+
+
+class _target_window:  # noqa: N801 - a small record the timed loops fill
+    """The target's call counts when the timed steps began."""
+
+    def __init__(self) -> None:
+        self.snap: dict[int, int] = {}
+
+    def start(self) -> None:
+        self.snap = _target.snapshot()
+
+    def figures(self, steps: int, host_ms: float) -> dict:
+        out = _target.since(self.snap, steps, host_ms / 1e3)
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_window | None) -> dict:
     if mode == "estimator":
-        return _estimator_train(workload, steps, warmup)
+        return _estimator_train(workload, steps, warmup, window)
 
     previous = torch_tpu.get_eager_mode()
     if mode == "cpu":
@@ -207,6 +238,8 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         best = 0.0
         cpu0 = time.process_time()
         host0 = _host_ns()
+        if window is not None:
+            window.start()
         for _ in range(3):
             t = time.perf_counter()
             for _ in range(steps):
@@ -218,10 +251,13 @@ def train(workload: str, mode: str, steps: int, warmup: int = 3) -> dict:
         host_ms = (_host_ns() - host0) / (3 * steps) / 1e6
     finally:
         torch_tpu.set_eager_mode(previous)
-    return {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
-            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
-            "host_ms_per_step": round(host_ms, 3), "final_loss": round(final, 5),
-            "platform": torch_tpu.platform()}
+    row = {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
+           "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
+           "host_ms_per_step": round(host_ms, 3), "final_loss": round(final, 5),
+           "platform": torch_tpu.platform()}
+    if window is not None:
+        row["target"] = window.figures(3 * steps, host_ms)
+    return row
 
 
 def estimator(workload: str, mode: str, steps: int, devices: int, warmup: int = 3) -> dict:
@@ -334,6 +370,8 @@ def main() -> None:
                    choices=["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
+    t.add_argument("--target", default=None,
+                   help="a TPU chip (v4, v5e, v5p, v6e) or topology: each row gains its projected figures there")
     e = sub.add_parser("estimator", help="samples/s of TPUEstimator.fit next to the hand-written step")
     e.add_argument("--workload", default="gpt", choices=["mlp", "gpt", "gpt-issue", "gpt-xl"])
     e.add_argument("--mode", default="compile", choices=["strict", "fused", "compile", "auto"])
@@ -369,9 +407,18 @@ def main() -> None:
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":
         modes = ["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"] if a.compare else [a.mode]
-        rows = [train(a.workload, m, a.steps) for m in modes]
+        rows = [train(a.workload, m, a.steps, target=None if m == "cpu" else a.target) for m in modes]
         for r in rows:
             print(json.dumps(r))
+        if a.target:
+            print(f"projected on {a.target}:\n{'mode':10s} {'device ms':>10s} {'host ms':>9s} {'steps/s':>9s} "
+                  f"{'MFU':>7s} {'bound':>6s} {'peak HBM MiB':>13s} {'failed':>6s}")
+            for r in rows:
+                t = r.get("target")
+                if t:
+                    print(f"{r['mode']:10s} {t['device_ms_per_step']:10.4f} {t['host_ms_per_step']:9.3f} "
+                          f"{t['projected_steps_per_s']:9.1f} {t['projected_mfu']:7.2%} {t['bound']:>6s} "
+                          f"{t['peak_hbm_bytes'] / 2**20:13.1f} {t['failed_programs']:6d}")
         if a.compare:
             print(f"{'mode':8s} {'steps/s':>9s} {'first step s':>13s} {'compile s':>10s} {'CPU ms/step':>12s} "
                   f"{'host ms/step':>13s}")

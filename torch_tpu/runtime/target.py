@@ -472,11 +472,30 @@ def report(wait: bool = True) -> TargetReport:
     return out
 
 
-def project(results: list[Result], steps: list[tuple[float, dict[int, int]]], chip: Chip) -> dict:
-    """Per step, from the steps marked: the first is left out where there are more (it compiles)."""
-    measured = steps[1:] if len(steps) > 1 else steps
-    host = statistics.median(s for s, _ in measured)
-    _, calls = measured[-1]  # the steady state: the programs of the last step
+def snapshot() -> dict[int, int]:
+    """The calls counted so far per program: :func:`since` projects the steps run after it."""
+    with _lock:
+        return {i: r.calls for i, r in enumerate(_results)}
+
+
+def since(snap: dict[int, int], steps: int, host_s: float) -> dict:
+    """The projection of ``steps`` steps run since ``snap``, whose host seconds per step were
+    measured by the caller (a benchmark's own host clock); waits for the pending compiles. Adds the
+    chip, its HBM and the failed programs' count (the benchmark's ``"target"`` object)."""
+    if _target is None:
+        raise RuntimeError("no tpu target is set")
+    for r in list(_results):
+        if r.future is not None:
+            r.future.result()
+    with _lock:
+        results = list(_results)
+    calls = {i: r.calls - snap.get(i, 0) for i, r in enumerate(results) if r.calls - snap.get(i, 0)}
+    out = _project_calls(results, calls, steps, host_s, _target.chip)
+    return {"chip": _target.topology, **out, "hbm_bytes": _target.chip.hbm_bytes,
+            "failed_programs": sum(r.ok is False for r in results)}
+
+
+def _project_calls(results: list[Result], calls: dict[int, int], steps: int, host_s: float, chip: Chip) -> dict:
     device = flops = 0.0
     sources = set()
     peak = 0
@@ -489,8 +508,17 @@ def project(results: list[Result], steps: list[tuple[float, dict[int, int]]], ch
         device += n * seconds
         flops += n * r.cost.get("flops", 0.0)
         peak = max(peak, r.memory.get("peak", 0))
-    return projection(device, host, flops, chip, steps=len(measured), peak=peak,
+    steps = max(steps, 1)
+    return projection(device / steps, host_s, flops / steps, chip, steps=steps, peak=peak,
                       source="xla" if sources == {"xla"} else "roofline" if sources == {"roofline"} else "xla+roofline")
+
+
+def project(results: list[Result], steps: list[tuple[float, dict[int, int]]], chip: Chip) -> dict:
+    """Per step, from the steps marked: the first is left out where there are more (it compiles)."""
+    measured = steps[1:] if len(steps) > 1 else steps
+    host = statistics.median(s for s, _ in measured)
+    _, calls = measured[-1]  # the steady state: the programs of the last step
+    return {**_project_calls(results, calls, 1, host, chip), "steps": len(measured)}
 
 
 def projection(device_s: float, host_s: float, flops: float, chip: Chip, steps: int = 1, peak: int = 0,
