@@ -33,7 +33,7 @@ TEST_GROUPS := GROUP_OPINFO GROUP_OPS GROUP_A_L GROUP_M_Z
 # the extra venvs install exactly the versions named above, so they read an empty one instead.
 NO_CAP := $(abspath .ci/no-constraints.txt)
 
-.PHONY: demo test test-newest test-oldest extra-venvs install-check opinfo coverage lint bench clean
+.PHONY: demo test test-newest test-oldest extra-venvs install-check test-tpu-target opinfo coverage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -84,6 +84,13 @@ test-oldest: .venv-torch$(OLDEST_TORCH)/.installed
 # builds at the first import, and the demo trains (tools/check_install.py).
 install-check: $(STAMP)
 	$(BIN)/python tools/check_install.py
+
+# The TPU compile pass: the OpInfo gate and the training, compile, graph and decode tests with every
+# program also compiled for a v5e chip (libtpu's compile-only client); fails where one does not compile.
+TPU_TARGET_TESTS := tests/test_opinfo.py tests/test_training.py tests/test_compile.py tests/test_graphs.py \
+	tests/test_decode.py
+test-tpu-target: $(STAMP)
+	TORCH_TPU_TARGET=v5e $(BIN)/python -m pytest $(TPU_TARGET_TESTS)
 
 opinfo: $(STAMP)
 	TORCH_TPU_OPINFO=all $(BIN)/python -m pytest tests/test_opinfo.py

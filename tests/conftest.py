@@ -57,3 +57,24 @@ def like_cpu(fn, *args, **kwargs) -> None:
     else:
         assert tpu[0] is cpu[0], f"{tpu} where CPU raised {cpu}"
         assert cpu[1] in tpu[1]
+
+
+# --------------------------------------------------------------------- the TPU compile pass
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Under ``TORCH_TPU_TARGET`` (``make test-tpu-target``), every program the tests ran was also
+    compiled for that TPU chip: the session fails where one did not, and its report is printed."""
+    import os
+
+    from torch_tpu.runtime import target
+
+    if not os.environ.get("TORCH_TPU_TARGET") or target.current() is None:
+        return
+    report = target.report()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"compiled for the TPU target {report['topology']}")
+        for line in str(report).splitlines()[:40]:
+            reporter.write_line(line)
+    if report["programs"]["failed"] and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
