@@ -188,3 +188,14 @@ def test_eig_runs_on_the_host_for_a_tpu_target_and_is_named(tmp_path, monkeypatc
     assert metrics.fallback_counts[name] == before + 1
     assert report["host_fallbacks"] == {name: 1} and report["programs"]["failed"] == 0, report
     assert any("no TPU kernel" in str(m.message) for m in seen) and "on the host" in str(report)
+
+
+def test_profile_keeps_its_summary_but_writes_no_trace_beside_the_compile_client(v5e, tmp_path):
+    """With libtpu's compile-only client loaded and no TPU, JAX's profiler crashes the process:
+    torch_tpu.profile says so and keeps its own summary."""
+    x = torch.randn(8, 8, device="tpu")
+    (x + 1).cpu()
+    with pytest.warns(RuntimeWarning, match="no JAX trace is written"):
+        with torch_tpu.profile(tmp_path / "trace") as prof:
+            (x @ x).sum().item()
+    assert "host->device" in prof.summary() and not (tmp_path / "trace").exists()

@@ -22,13 +22,17 @@ def quiet_libtpu_without_a_tpu() -> None:
     """libtpu installed on a machine with no TPU (for compiling to a target chip, ``runtime.target``)
     would ask a cloud metadata server what TPU this is, at JAX's first use, and print a screen of
     errors when none answers. With no TPU device file here (``/dev/accel*``, ``/dev/vfio/<n>``) there
-    is none to find: it is told so. Must run before JAX picks its platform; changes nothing on a TPU
-    host, nor where the variables are set already."""
+    is none to find: it is told so, and where there is no GPU either, JAX is told to use the CPU.
+    Must run before JAX picks its platform; changes nothing on a TPU host, nor what is set already."""
     import glob
     import importlib.util
 
     if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return
+    if not jax.config.jax_platforms and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        # no GPU either: the CPU, which JAX would pick; named, because with libtpu loaded and no
+        # TPU, JAX's profiler (torch_tpu.profile) crashes the process in libtpu's plugin
+        jax.config.update("jax_platforms", "cpu")
     # the last: libtpu's lock against two processes sharing a TPU, of which there is none here (a
     # process that compiles for a target chip would stop every other from loading libtpu)
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),

@@ -11,11 +11,12 @@ from __future__ import annotations
 import collections
 import os
 import time
+import warnings
 from typing import Any
 
 import jax
 
-from torch_tpu.runtime import cache, executor, metrics
+from torch_tpu.runtime import cache, executor, metrics, target
 
 
 def active() -> Profile | None:
@@ -34,7 +35,13 @@ class Profile:
 
     def __enter__(self) -> Profile:
         executor.synchronize()
-        if self.path is not None:
+        self._tracing = self.path is not None
+        if self._tracing and target.client_loaded() and jax.default_backend() != "tpu":
+            warnings.warn("torch_tpu.profile: no JAX trace is written in a process that compiled for a TPU target "
+                          "(with libtpu's compile-only client loaded and no TPU, JAX's profiler crashes the process); "
+                          "the summary is kept", RuntimeWarning, stacklevel=2)
+            self._tracing = False
+        if self._tracing:
             jax.profiler.start_trace(self.path)
         m = metrics.metrics()
         self._start = {
@@ -61,7 +68,7 @@ class Profile:
                 "recompiles": len(cache.recompiles),
                 "t": time.perf_counter(),
             }
-            if self.path is not None:
+            if self._tracing:
                 jax.profiler.stop_trace()
 
     def timed(self, name: str, fn: Any, *args: Any) -> Any:

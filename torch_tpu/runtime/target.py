@@ -121,6 +121,7 @@ class Target:
             except Exception as e:  # noqa: BLE001 - no libtpu, or a topology it does not know
                 raise RuntimeError(f"tpu target {self.topology}: JAX's compile-only TPU topology is unavailable "
                                    f"({type(e).__name__}: {e}); it needs libtpu (pip install libtpu)") from e
+            _client_loaded[0] = True
             _keep_tpu_executables_out_of_the_persistent_cache()
             self._on_chip = NamedSharding(Mesh(np.array(topo.devices[:1]), ("chip",)), PartitionSpec())
         return self._on_chip
@@ -129,6 +130,7 @@ class Target:
         return f"Target({self.topology})"
 
 
+_client_loaded = [False]  # libtpu's compile-only client was made in this process (see runtime.profiler)
 _target: Target | None = None
 _strict = os.environ.get("TORCH_TPU_TARGET_STRICT", "") == "1"
 _lock = threading.Lock()
@@ -138,6 +140,11 @@ _unreported: list[Result] = []
 _host_ops: dict[str, int] = {}  # op -> calls run on the host for want of a TPU kernel
 _steps: list[tuple[float, dict[int, int]]] = []  # (host seconds, {result index: calls}) per marked step
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def client_loaded() -> bool:
+    """Whether this process made libtpu's compile-only client (it stays loaded for the process)."""
+    return _client_loaded[0]
 
 
 def active() -> bool:
