@@ -156,20 +156,6 @@ _KEEP_EXECUTABLES = 32
 _executables: dict[tuple, Any] = {}  # the compiled graphs by what they recorded (see TPUGraph._build)
 
 
-def _op_parts(key: list, specs: list, sites: list) -> list[tuple[str, Any, list]]:
-    """Each op of a captured graph as (name and user line, its program, its inputs' shapes): a graph
-    that fails to compile for the target chip is blamed on the ops that fail on their own."""
-    env: list = []
-    parts = []
-    for i, (program, wiring) in enumerate(key):
-        xs = [env[w[1]][w[2]] if w[0] == "n" else specs[w[1]] if w[0] == "a" else w[1] for w in wiring]
-        out = jax.eval_shape(program.fn, *xs)
-        env.append(out if program.multi else (out,))
-        site = sites[i] if i < len(sites) else None
-        parts.append((f"{program.name} at {cache._site_text(site)}", program.fn, xs))
-    return parts
-
-
 def _constant_key(w: tuple) -> tuple:
     """A wiring entry for the executable cache: a frozen number by type and exact text (1, 1.0 and
     True are equal keys in a dict, and so are 0.0 and -0.0, but not in a program)."""
@@ -375,7 +361,9 @@ class TPUGraph:
             compiled = target.watch(
                 compiled, kind="graph", name=f"tpu graph ({len(nodes)} ops)", fn=replay,
                 ops=[program.name for program, _ in key], site=lambda: cache._site_text(first) if first else None,
-                donate=tuple(donate), parts=lambda specs: _op_parts(key, specs, sites), fixed=True)
+                donate=tuple(donate), fixed=True,
+                parts=lambda specs: target.op_parts(key, lambda w: specs[w[1]] if w[0] == "a" else w[1],
+                                                    [cache._site_text(s) for s in sites]))
         self._exe = compiled
         self._template = [None if p in bound else x for p, x in enumerate(args)]  # never a static input's array
         self._inputs = inputs

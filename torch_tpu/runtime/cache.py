@@ -277,21 +277,6 @@ def _build(key: Any, donate: tuple[int, ...], outputs: list, args: list) -> tupl
     return compiled, time.perf_counter() - t0
 
 
-def _op_parts(key: Any, specs: list, sites: list) -> list[tuple[str, Any, list]]:
-    """Each op of a trace as (name and user line, its program, its inputs' shapes): a trace that
-    fails to compile for the target chip is blamed on the ops that fail on their own."""
-    env: list = []
-    parts = []
-    weak_float = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.float64), weak_type=True)
-    for i, (program, wiring) in enumerate(key):
-        xs = [env[w[1]][w[2]] if w[0] == "n" else weak_float if w[0] == "f" else specs[w[1]] for w in wiring]
-        out = jax.eval_shape(program.fn, *xs)
-        env.append(out if program.multi else (out,))
-        site = sites[i] if i < len(sites) else None
-        parts.append((f"{program.name} at {_site_text(site)}", program.fn, xs))
-    return parts
-
-
 def _watched(compiled: Any, key: Any, donate: tuple[int, ...], outputs: list, sites: list, fingerprint: str) -> Any:
     """A trace's executable, also compiled for the target chip where one is set (runtime.target)."""
     if not target.active():
@@ -300,7 +285,14 @@ def _watched(compiled: Any, key: Any, donate: tuple[int, ...], outputs: list, si
     return target.watch(
         compiled, kind="fused", name=f"fused program {fingerprint} ({len(key)} ops)", fn=_replay(key, outputs),
         ops=[program.name for program, _ in key], site=lambda: _site_text(first) if first else None,
-        donate=donate, parts=lambda specs: _op_parts(key, specs, sites), fixed=True)
+        donate=donate, fixed=True,
+        parts=lambda specs: target.op_parts(key, lambda w: _weak_float_spec() if w[0] == "f" else specs[w[1]],
+                                            [_site_text(s) for s in sites]))
+
+
+def _weak_float_spec() -> Any:
+    """A runtime float of a trace, as :func:`_weak_float` gives it to the program."""
+    return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.float64), weak_type=True)
 
 
 def _choose(variants: list[Entry], want: list) -> Entry | None:

@@ -354,6 +354,20 @@ def _tell() -> None:
         warnings.warn(_failure_text(r) + " (see torch_tpu.target_report())", UserWarning, stacklevel=3)
 
 
+def op_parts(key: Any, decode: Callable[[tuple], Any], where: list[str]) -> list[tuple[str, Callable, list]]:
+    """Each op of a trace or captured graph (``key``: its (program, wiring) pairs) as (its name and
+    user line, its program, its inputs' shapes), to blame the ops of a failed trace that fail on their
+    own. A wiring entry ``("n", i, j)`` is output ``j`` of op ``i``; ``decode`` gives the others."""
+    env: list = []
+    parts = []
+    for i, (program, wiring) in enumerate(key):
+        xs = [env[w[1]][w[2]] if w[0] == "n" else decode(w) for w in wiring]
+        out = jax.eval_shape(program.fn, *xs)
+        env.append(out if program.multi else (out,))
+        parts.append((f"{program.name} at {where[i] if i < len(where) else '<unknown>'}", program.fn, xs))
+    return parts
+
+
 class _Watched:
     """A compiled program's callable, counting its calls and compiling each new input signature
     for the target."""
