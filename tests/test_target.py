@@ -199,3 +199,16 @@ def test_profile_keeps_its_summary_but_writes_no_trace_beside_the_compile_client
         with torch_tpu.profile(tmp_path / "trace") as prof:
             (x @ x).sum().item()
     assert "host->device" in prof.summary() and not (tmp_path / "trace").exists()
+
+
+def test_a_captured_graph_that_fails_is_blamed_on_its_op(v5e):
+    x = torch.randn(4, 4, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        y = (x * 3).relu() + eigenvalue_sum(x @ x.T)  # [graph-eig-line]
+    g.replay()
+    y.cpu()
+    failed = [f for f in torch_tpu.target_report()["failures"] if f["kind"] == "graph"]
+    assert len(failed) == 1
+    line = f"{__file__}:{_line_of('[graph-eig-line]')}"
+    assert len(failed[0]["ops"]) == 1 and "eigenvalue_sum" in failed[0]["ops"][0] and failed[0]["ops"][0].endswith(line)
