@@ -135,7 +135,7 @@ _target: Target | None = None
 _strict = os.environ.get("TORCH_TPU_TARGET_STRICT", "") == "1"
 _lock = threading.Lock()
 _results: list[Result] = []
-_by_key: dict[tuple, Result] = {}
+_generation = [0]  # bumped by reset(): each watched program's results belong to one generation
 _unreported: list[Result] = []
 _host_ops: dict[str, int] = {}  # op -> calls run on the host for want of a TPU kernel
 _steps: list[tuple[float, dict[int, int]]] = []  # (host seconds, {result index: calls}) per marked step
@@ -204,7 +204,7 @@ def reset() -> None:
     with _lock:
         _host_ops.clear()
         _results.clear()
-        _by_key.clear()
+        _generation[0] += 1
         _unreported.clear()
         _steps.clear()
 
@@ -372,21 +372,25 @@ class _Watched:
     """A compiled program's callable, counting its calls and compiling each new input signature
     for the target."""
 
-    __slots__ = ("_run", "_kind", "_name", "_fn", "_ops", "_site", "_donate", "_parts", "_fixed", "__weakref__")
+    __slots__ = ("_run", "_kind", "_name", "_fn", "_ops", "_site", "_donate", "_parts", "_fixed", "_seen",
+                 "__weakref__")
 
     def __init__(self, run: Callable, kind: str, name: str, fn: Callable, ops: list[str],
                  site: Callable[[], str | None], donate: tuple, parts: Callable | None, fixed: bool) -> None:
         self._run, self._kind, self._name, self._fn, self._ops = run, kind, name, fn, ops
         self._site, self._donate, self._parts, self._fixed = site, donate, parts, fixed
+        self._seen: tuple[int, dict] = (_generation[0], {})  # input signature -> its Result, since the last reset
 
     def __call__(self, *args: Any) -> Any:
         if _target is not None:
-            key = (id(self), None if self._fixed else _signature(args))
-            result = _by_key.get(key)
+            generation, seen = self._seen
+            if generation != _generation[0]:  # a reset since: compiled (and counted) anew
+                self._seen = generation, seen = _generation[0], {}
+            key = None if self._fixed else _signature(args)
+            result = seen.get(key)
             if result is None:
-                result = Result(self._kind, self._name, self._ops, self._site())
+                result = seen[key] = Result(self._kind, self._name, self._ops, self._site())
                 with _lock:
-                    _by_key[key] = result
                     _results.append(result)
                 _submit(result, self._fn, args, self._donate, self._parts)
             result.calls += 1
