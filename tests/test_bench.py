@@ -60,3 +60,14 @@ def test_train_projects_the_step_on_a_target_chip(tmp_path):
         assert t["projected_steps_per_s"] == pytest.approx(
             1e3 / max(t["host_ms_per_step"], t["device_ms_per_step"]), rel=1e-3)
         assert row["target_after"] == "None"  # the target is given back
+
+
+@pytest.mark.parametrize("mode", ["strict", "estimator"])
+def test_train_bf16_runs_the_forward_in_bfloat16_like_cpu(mode):
+    """``bench train --bf16``: autocast to bfloat16 (the estimator's precision="bf16"), CPU's loss."""
+    ours = train("gpt-tiny", mode, steps=1, warmup=1, bf16=True)
+    reference = train("gpt-tiny", "cpu", steps=1, warmup=1, bf16=True)
+    full = train("gpt-tiny", "cpu", steps=1, warmup=1)
+    assert ours["bf16"] and reference["bf16"] and not full["bf16"]
+    assert ours["final_loss"] == pytest.approx(reference["final_loss"], rel=2e-2)
+    assert reference["final_loss"] != full["final_loss"]  # bfloat16 did change the arithmetic

@@ -145,7 +145,8 @@ def _captured(step: Any) -> tuple[Any, torch.Tensor]:
     return replay, first
 
 
-def _estimator_train(workload: str, steps: int, warmup: int, window: _target_window | None = None) -> dict:
+def _estimator_train(workload: str, steps: int, warmup: int, window: _target_window | None = None,
+                     bf16: bool = False) -> dict:
     """``train`` for ``TPUEstimator().fit`` (default mode): as many steps as the other modes, from
     the same weights, over a loader of the fixed batch. A step-end callback that reads the loss at
     the windows' ends (so their queued work is done) times them, and it alone reads the loss. The
@@ -165,7 +166,7 @@ def _estimator_train(workload: str, steps: int, warmup: int, window: _target_win
 
     compiled0 = _compile_seconds()
     t0 = time.perf_counter()
-    est = TPUEstimator(devices=1, verbose=False)
+    est = TPUEstimator(devices=1, verbose=False, precision="bf16" if bf16 else "fp32")
     history = est.fit(model.to(est), [(x, y)] * total, optimizer=step.make_optimizer, callbacks=[mark],
                       log_every=10**9)
     first, compile_s = marks[2][0] - t0, marks[2][3] - compiled0
@@ -177,21 +178,22 @@ def _estimator_train(workload: str, steps: int, warmup: int, window: _target_win
            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
            "host_ms_per_step": round(host_ms, 3), "final_loss": round(history.loss[-1], 5),
            "execution": history.execution, "replayed_steps": history.replayed_steps,
-           "platform": torch_tpu.platform()}
+           "platform": torch_tpu.platform(), "bf16": bf16}
     if window is not None:
         row["target"] = window.figures(3 * steps, host_ms)
     return row
 
 
-def train(workload: str, mode: str, steps: int, warmup: int = 3, target: str | None = None) -> dict:
+def train(workload: str, mode: str, steps: int, warmup: int = 3, target: str | None = None, bf16: bool = False) -> dict:
     """Steps/s of ``workload`` in ``mode``; with ``target`` (a TPU chip), every program of the run is
     also compiled for it and the row gains a ``"target"`` object: the timed steps' projected device
     ms (XLA:TPU's estimate, else the roofline), the host ms measured here, the projected steps/s
-    and MFU, the bound, the peak HBM (``torch_tpu.runtime.target``)."""
+    and MFU, the bound, the peak HBM (``torch_tpu.runtime.target``). ``bf16``: the forward under
+    ``torch.autocast`` to bfloat16 (the estimator: ``precision="bf16"``), as mode_bench's flag."""
     if target is None:
-        return _train(workload, mode, steps, warmup, None)
+        return _train(workload, mode, steps, warmup, None, bf16)
     with torch_tpu.set_target(target):
-        return _train(workload, mode, steps, warmup, _target_window())
+        return _train(workload, mode, steps, warmup, _target_window(), bf16)
 
 
 class _target_window:  # noqa: N801 - a small record the timed loops fill
@@ -208,9 +210,9 @@ class _target_window:  # noqa: N801 - a small record the timed loops fill
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_window | None) -> dict:
+def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_window | None, bf16: bool) -> dict:
     if mode == "estimator":
-        return _estimator_train(workload, steps, warmup, window)
+        return _estimator_train(workload, steps, warmup, window, bf16)
 
     previous = torch_tpu.get_eager_mode()
     if mode == "cpu":
@@ -219,7 +221,7 @@ def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_wi
         dev = "tpu"
         torch_tpu.set_eager_mode("strict" if mode in ("compile", "graph") else mode)
     try:
-        model, step, tokens = workloads.make(workload, dev)
+        model, step, tokens = workloads.make(workload, dev, bf16=bf16)
         if mode == "compile":
             torch._dynamo.reset()
             step = torch.compile(step, backend="tpu")
@@ -254,7 +256,7 @@ def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_wi
     row = {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
            "host_ms_per_step": round(host_ms, 3), "final_loss": round(final, 5),
-           "platform": torch_tpu.platform()}
+           "platform": torch_tpu.platform(), "bf16": bf16}
     if window is not None:
         row["target"] = window.figures(3 * steps, host_ms)
     return row
@@ -370,6 +372,7 @@ def main() -> None:
                    choices=["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
+    t.add_argument("--bf16", action="store_true", help="the forward under torch.autocast to bfloat16")
     t.add_argument("--target", default=None,
                    help="a TPU chip (v4, v5e, v5p, v6e) or topology: each row gains its projected figures there")
     e = sub.add_parser("estimator", help="samples/s of TPUEstimator.fit next to the hand-written step")
@@ -407,7 +410,7 @@ def main() -> None:
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":
         modes = ["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"] if a.compare else [a.mode]
-        rows = [train(a.workload, m, a.steps, target=None if m == "cpu" else a.target) for m in modes]
+        rows = [train(a.workload, m, a.steps, target=None if m == "cpu" else a.target, bf16=a.bf16) for m in modes]
         for r in rows:
             print(json.dumps(r))
         if a.target:
