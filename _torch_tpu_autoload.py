@@ -108,12 +108,19 @@ def _module_present(*names: str) -> bool:
     return False
 
 
+def _tpu_device_present() -> bool:
+    """A TPU chip's device file (as torch_tpu.core.devices.quiet_libtpu_without_a_tpu looks for)."""
+    import glob
+
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def _platform_present(platform: str) -> bool:
     """Whether the PJRT plugin for ``platform`` is installed, found without loading it."""
     if platform in ("", "cpu"):
         return True  # XLA:CPU is built into jaxlib: JAX falls back to it when no accelerator is found
-    if platform == "tpu":
-        return _module_present("libtpu", "jax_plugins.libtpu")
+    if platform == "tpu":  # libtpu alone is no TPU: it is also installed to compile for one (runtime.target)
+        return _module_present("libtpu", "jax_plugins.libtpu") and _tpu_device_present()
     if platform in ("gpu", "cuda"):
         return _module_present("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
                                "jax_plugins.xla_cuda12")
