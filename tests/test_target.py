@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not _target.available(), reason="a TPU target ne
 @pytest.fixture
 def v5e(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))  # the analyses' disk cache: empty
-    with torch_tpu.set_target("v5e") as t:
+    # strict: one program per op, which the tests name (the fused pass runs this file too; the
+    # fused trace's own test sets fused mode)
+    with torch_tpu.set_eager_mode("strict"), torch_tpu.set_target("v5e") as t:
         yield t
 
 
