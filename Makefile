@@ -13,31 +13,40 @@ OLDEST_JAX := 0.10.1
 # docs pages' examples use these same APIs and run in the full pass).
 SHORT_TESTS := tests/test_device.py tests/test_training.py tests/test_compile.py tests/test_fused.py \
 	tests/test_distributed.py tests/test_estimator.py tests/test_ops_fft.py
-# The fused pass leaves out files that test nothing eager mode runs: the source layering, the
-# import hook, the benchmark command and the docs pages (their examples choose their own mode).
-FUSED_SKIP := tests/test_import_layers.py tests/test_autoload.py tests/test_bench.py tests/test_docs.py
+# The fused pass leaves out files that test nothing eager mode runs (the source layering, the import
+# hook, the benchmark command, the extension's build, the docs pages, whose examples choose their own
+# mode), files that choose their modes themselves (decode, estimator, spmd, recompile, target), and,
+# for CI's budget, the compile and export files (a graph's ops are the same programs in both modes)
+# and the distributed ones (each test starts ranks of its own; the estimator's data-parallel tests
+# run their first step in fused mode).
+FUSED_SKIP := tests/test_import_layers.py tests/test_autoload.py tests/test_bench.py tests/test_docs.py \
+	tests/test_extension.py tests/test_decode.py tests/test_estimator.py tests/test_spmd.py \
+	tests/test_recompile.py tests/test_target.py tests/test_compile.py tests/test_compile_cnn.py \
+	tests/test_export.py tests/test_integrations_inductor.py tests/test_distributed.py
 # The suite runs as four pytest processes, not one: every XLA:CPU executable a process loads keeps
 # memory mappings (about 85 per OpInfo test, which compiles several programs), torch_tpu keeps its
 # programs for reuse, and Linux's default vm.max_map_count (65,530) is reached after about 1,100
 # tests; the next compile then segfaults inside XLA. torch_tpu now drops its programs past half that
 # bound (runtime/residency.py); the split keeps reloads out of the suite's time. See docs/performance.md,
-# "Long-running processes".
+# "Long-running processes". tools/test_lanes.py runs the groups side by side, one per core (two on
+# CI's machine): each pytest process keeps one core busy.
 GROUP_OPINFO := tests/test_opinfo.py
 GROUP_OPS := $(wildcard tests/test_ops_*.py) $(wildcard tests/test_*_conformance.py)
 GROUP_REST := $(filter-out $(GROUP_OPINFO) $(GROUP_OPS),$(sort $(wildcard tests/test_*.py)))
 GROUP_A_L := $(filter tests/test_a% tests/test_b% tests/test_c% tests/test_d% tests/test_e% tests/test_f% \
 	tests/test_g% tests/test_h% tests/test_i% tests/test_j% tests/test_k% tests/test_l%,$(GROUP_REST))
 GROUP_M_Z := $(filter-out $(GROUP_A_L),$(GROUP_REST))
-TEST_GROUPS := GROUP_OPINFO GROUP_OPS GROUP_A_L GROUP_M_Z
-# The fused pass leaves out the per-op files (GROUP_OPS, 837 tests, about 470 s on CI's machine): an
-# op's lowering is the same program in both modes, and the OpInfo gate runs every op through fused
-# recording; the modes, training, compile, graph and distributed files run in both. CI's budget.
-FUSED_GROUPS := GROUP_OPINFO GROUP_A_L GROUP_M_Z
+# The fused pass runs GROUP_OPINFO, GROUP_A_L and GROUP_M_Z less FUSED_SKIP; not the per-op files
+# (GROUP_OPS, 837 tests, about 470 s on CI's machine): an op's lowering is the same program in both
+# modes, and the OpInfo gate runs every op through fused recording.
+# LANES=N: how many groups run at once (default: one per core, memory allowing).
+LANES ?=
+FUSED := TORCH_TPU_EAGER_MODE=fused
 # This machine's pip may carry a global constraint file that caps torch below the newest release;
 # the extra venvs install exactly the versions named above, so they read an empty one instead.
 NO_CAP := $(abspath .ci/no-constraints.txt)
 
-.PHONY: demo test test-newest test-oldest extra-venvs install-check test-tpu-target opinfo coverage lint bench clean
+.PHONY: demo test test-newest test-oldest test-versions extra-venvs install-check test-tpu-target opinfo coverage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -59,30 +68,43 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The groups start longest first (their minutes on CI's machine), so that the two lanes end together.
 test: $(STAMP)
 	$(BIN)/ruff check torch_tpu tests tools examples _torch_tpu_autoload.py
-	$(foreach g,$(TEST_GROUPS),$(BIN)/python -m pytest $($(g)) &&) true
-	$(foreach g,$(FUSED_GROUPS),TORCH_TPU_EAGER_MODE=fused $(BIN)/python -m pytest $(filter-out $(FUSED_SKIP),$($(g))) &&) true
+	$(BIN)/python tools/test_lanes.py $(if $(LANES),--lanes $(LANES)) \
+		"strict A-L: $(GROUP_A_L)" "strict ops: $(GROUP_OPS)" "fused OpInfo: $(FUSED) $(GROUP_OPINFO)" \
+		"strict OpInfo: $(GROUP_OPINFO)" "strict M-Z: $(GROUP_M_Z)" \
+		"fused A-L: $(FUSED) $(filter-out $(FUSED_SKIP),$(GROUP_A_L))" \
+		"fused M-Z: $(FUSED) $(filter-out $(FUSED_SKIP),$(GROUP_M_Z))"
 
-# The shorter pass on another torch: import, the demo, then SHORT_TESTS (with the environment in $(2)).
-define short_pass
+# Another torch ($(1)): the import line and the demo.
+define version_check
 	.venv-torch$(1)/bin/python -c "import torch, jax, torch_tpu.core.extension as e; \
 		print('torch', torch.__version__, 'jax', jax.__version__, 'extension', e.available() or e.why_not())"
 	.venv-torch$(1)/bin/python examples/demo.py
-	$(2) .venv-torch$(1)/bin/python -m pytest $(SHORT_TESTS)
 endef
+# The shorter pass as a test_lanes group. The oldest torch's tests run as on a machine without a C++
+# compiler: the extension is built (and the demo uses it) but the tests neither load it nor need it.
+SHORT_NEWEST := "torch $(NEWEST_TORCH): @.venv-torch$(NEWEST_TORCH)/bin/python $(SHORT_TESTS)"
+SHORT_OLDEST := "torch $(OLDEST_TORCH): TORCH_TPU_NO_EXTENSION=1 @.venv-torch$(OLDEST_TORCH)/bin/python $(SHORT_TESTS)"
 
 # Both extra venvs, without testing: .ci/run builds them while `make test` runs (pip and the
 # compiler beside pytest) and then runs the two shorter passes in them.
 extra-venvs: .venv-torch$(NEWEST_TORCH)/.installed .venv-torch$(OLDEST_TORCH)/.installed
 
 test-newest: .venv-torch$(NEWEST_TORCH)/.installed
-	$(call short_pass,$(NEWEST_TORCH))
+	$(call version_check,$(NEWEST_TORCH))
+	.venv-torch$(NEWEST_TORCH)/bin/python tools/test_lanes.py $(SHORT_NEWEST)
 
-# The oldest torch's tests run as on a machine without a C++ compiler: the extension is built (and
-# the demo uses it) but the tests neither load it nor need it.
 test-oldest: .venv-torch$(OLDEST_TORCH)/.installed
-	$(call short_pass,$(OLDEST_TORCH),TORCH_TPU_NO_EXTENSION=1)
+	$(call version_check,$(OLDEST_TORCH))
+	.venv-torch$(OLDEST_TORCH)/bin/python tools/test_lanes.py $(SHORT_OLDEST)
+
+# test-newest and test-oldest together, their two shorter passes side by side (what .ci/run runs).
+test-versions: extra-venvs
+	$(call version_check,$(NEWEST_TORCH))
+	$(call version_check,$(OLDEST_TORCH))
+	.venv-torch$(NEWEST_TORCH)/bin/python tools/test_lanes.py $(if $(LANES),--lanes $(LANES)) $(SHORT_NEWEST) $(SHORT_OLDEST)
 
 # The sdist installed as a user installs it, into a fresh venv beside .venv's torch: the extension
 # builds at the first import, and the demo trains (tools/check_install.py).
