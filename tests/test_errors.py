@@ -806,3 +806,34 @@ def test_grid_sampler_2d_shape_checks_say_what_cpu_says(call, shapes):
         f(x, g)
     with pytest.raises(type(cpu_err.value), match=re.escape(str(cpu_err.value))):
         f(x.to("tpu"), g.to("tpu")).cpu()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fractional_pooling_samples_of_another_dtype_are_refused_as_on_cpu(n):
+    """module_db builds float64 samples for every input dtype; CPU refuses them for float32."""
+    def run(device):
+        x = torch.randn(2, 4, *([6] * n), device=device)
+        samples = torch.rand(2, 4, n, dtype=torch.float64, device=device)
+        return getattr(torch.ops.aten, f"fractional_max_pool{n}d")(x, [2] * n, [3] * n, samples)
+
+    cpu = _cpu_error(run)
+    with pytest.raises(cpu.type, match="Expect _random_samples to have the same dtype as input"):
+        run("tpu")
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("shape, dim", [((5, 0), 1), ((0, 5), 0), ((2, 0, 3), 1), ((0, 5), 1), ((2, 0, 3), 2)])
+def test_unique_along_a_dim_of_an_empty_tensor_as_on_cpu(shape, dim, consecutive):
+    """Nothing along dim: the input's own shape back; another dim empty: CPU's refusal."""
+    fn = torch.unique_consecutive if consecutive else torch.unique
+
+    def run(device):
+        return fn(torch.empty(shape, device=device), dim=dim, return_inverse=True, return_counts=True)
+
+    try:
+        want = run("cpu")
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=str(e)):
+            run("tpu")
+        return
+    assert [tuple(t.shape) for t in run("tpu")] == [tuple(t.shape) for t in want]

@@ -77,6 +77,31 @@ def test_batch_norm(train):
         assert int(tpu_module.num_batches_tracked.cpu()) == int(module.num_batches_tracked)
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.LazyLinear(4), (2, 3)),
+    (lambda: nn.LazyConv1d(4, 3), (2, 3, 7)),
+    (lambda: nn.LazyConvTranspose2d(2, 3), (1, 3, 4, 4)),
+    (lambda: nn.LazyBatchNorm1d(), (5, 3)),
+])
+def test_a_lazy_module_moved_before_its_first_forward_materialises_on_tpu(make, shape):
+    """As on CUDA: .to("tpu") before the first forward keeps the parameters uninitialised, and the
+    first forward makes them on tpu; with CPU's weights loaded, the outputs are CPU's."""
+    x = torch.randn(shape)
+    cpu = make()
+    cpu(x)  # materialises CPU's weights
+    tpu = make().to("tpu")
+    assert all(isinstance(p, nn.parameter.UninitializedParameter) and p.device.type == "tpu"
+               for p in tpu.parameters())
+    assert tpu(x.to("tpu")).device.type == "tpu"
+    assert all(type(p) is nn.Parameter and p.device.type == "tpu" for p in tpu.parameters())
+    tpu.load_state_dict(cpu.state_dict())
+    torch.testing.assert_close(tpu(x.to("tpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+    back = make().to("tpu").to("cpu")  # and back, still uninitialised
+    assert all(isinstance(p, nn.parameter.UninitializedParameter) and p.device.type == "cpu"
+               for p in back.parameters())
+    assert back(x).shape == cpu(x).shape
+
+
 def test_norm_layers():
     check_module(nn.LayerNorm((5, 6)), torch.randn(3, 4, 5, 6))
     check_module(nn.GroupNorm(2, 4), torch.randn(3, 4, 5, 6))

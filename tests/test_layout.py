@@ -40,8 +40,11 @@ def _same_layout(cpu: torch.Tensor, tpu: torch.Tensor) -> None:
         lambda a: F.avg_pool2d(a, 2),
         lambda a: F.max_pool2d(a, 2),
         lambda a: F.adaptive_avg_pool2d(a, 1),
+        lambda a: F.batch_norm(a, torch.zeros(3, device=a.device), torch.ones(3, device=a.device), training=True),
+        lambda a: F.batch_norm(a, torch.zeros(3, device=a.device), torch.ones(3, device=a.device), training=False),
     ],
-    ids=["add", "relu", "silu", "clone", "to_double", "avg_pool2d", "max_pool2d", "adaptive_avg_pool2d"],
+    ids=["add", "relu", "silu", "clone", "to_double", "avg_pool2d", "max_pool2d", "adaptive_avg_pool2d",
+         "batch_norm_train", "batch_norm_eval"],
 )
 def test_channels_last_results_keep_cpu_strides(fn):
     x = _nhwc(2, 3, 6, 6)

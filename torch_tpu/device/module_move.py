@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.modules.module as module_module
+from torch.nn.parameter import UninitializedTensorMixin
 
 _cross_device: set[int] = set()
 _installed = False
@@ -69,6 +70,12 @@ def install() -> None:
     def swap(t1: Any, t2: Any) -> None:
         moving = bool(held)  # _apply asked swap_instead about this move just before
         held.clear()
+        if moving and isinstance(t1, UninitializedTensorMixin):
+            # a lazy module's parameter stays uninitialised (swap_tensors would swap its class
+            # away too, to a plain Parameter of shape [0]): only its empty data moves, so that
+            # the first forward materialises it on the new device, as `param.data =` does for CUDA
+            torch._C._swap_tensor_impl(t1, t2)
+            return
         # _apply wraps the converted value in a new Parameter before swapping; more references
         # than a Python object and its gradient node: a live graph holds t1
         if (moving and type(t1) is type(t2) and t1._use_count() > 2 and not weakref.getweakrefs(t1)

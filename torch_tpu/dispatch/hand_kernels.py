@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from torch_tpu.core.devices import check_index
 from torch_tpu.dispatch import host_placement as _host_placement
@@ -184,6 +185,10 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
              memory_format=None):
     """``.to()`` from tpu. To the host, the copy is synchronous, so ``non_blocking`` needs no pinned
     buffer (which PyTorch's Python backend hooks cannot provide)."""
+    if isinstance(self, UninitializedTensorMixin):
+        # a lazy module's parameter moved before its first forward: its Python class hides
+        # .shape; the empty tensor under it moves like any other (the parameter keeps its class)
+        self = self.as_subclass(torch.Tensor)
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     if not is_tpu(self):  # BackendSelect sends CPU -> tpu copies here too

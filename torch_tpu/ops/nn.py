@@ -29,7 +29,7 @@ from torch_tpu.ops._registry import aten, kernel, lower
 from torch_tpu.runtime.executor import Program, execute
 from torch_tpu.tensor import value_checks as checks
 from torch_tpu.tensor.meta import cpu_meta, device_mismatch, to_meta
-from torch_tpu.tensor.storage import is_tpu, new_tensor, read, write
+from torch_tpu.tensor.storage import contiguous_strides, dense_layout, is_tpu, new_strided, new_tensor, read, write
 
 _LOW = (jnp.bfloat16, jnp.float16)
 
@@ -159,8 +159,12 @@ def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, r
         dyn = {k: v for k, v in dyn.items() if v is not None}
         dtypes = [metas[0].dtype, metas[1].dtype, metas[2].dtype]
         dtypes += [None if rm is None else rm.dtype, None if rv is None else rv.dtype]
+        # CPU lays the result out as the input (channels_last stays so), as torch's meta kernel says
+        shape, stride = tuple(metas[0].shape), tuple(metas[0].stride())
+        storage_shape = dense_layout(shape, stride) if stride != contiguous_strides(shape) else None
+        perm = None if storage_shape is None else tuple(sorted(range(len(shape)), key=lambda d: -stride[d]))
         out, mean, invstd, new_rm, new_rv = run_jax(
-            "batch_norm", _bn_program, {"training": training}, dyn, dtypes
+            "batch_norm", _bn_program, {"training": training, "perm": perm}, dyn, dtypes
         )
         functional = op in _FUNCTIONAL_BN
         if training and not functional:
@@ -168,7 +172,8 @@ def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, r
                 write(rm, new_rm)
             if rv is not None:
                 write(rv, new_rv)
-        res = [_wrap(out, dtypes[0]), _wrap(mean, dtypes[1]), _wrap(invstd, dtypes[2])]
+        first = _wrap(out, dtypes[0]) if perm is None else new_strided(shape, stride, storage_shape, dtypes[0], out)
+        res = [first, _wrap(mean, dtypes[1]), _wrap(invstd, dtypes[2])]
         if reserve:
             res.append(new_tensor((0,), torch.uint8, jnp.zeros((0,), jnp.uint8)))
         if functional:
@@ -178,10 +183,12 @@ def _batch_norm_kernel(op: torch._ops.OpOverload, fixed_training: bool | None, r
     return run
 
 
-def _bn_program(training, input, momentum, eps, weight=None, bias=None, running_mean=None, running_var=None):
+def _bn_program(training, perm, input, momentum, eps, weight=None, bias=None, running_mean=None, running_var=None):
     out, mean, invstd, new_rm, new_rv = batch_norm_math(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )
+    if perm is not None:  # stored in the result's physical order (channels_last)
+        out = jnp.transpose(out, perm)
     return out, mean, invstd, new_rm, new_rv
 
 
@@ -1824,6 +1831,8 @@ def _fractional_meta(op: torch._ops.OpOverload, n: int) -> Callable:
         for what, v in (("kernel_size", kernel_size), ("output_size", output_size)):
             if len(v) != n:
                 raise RuntimeError(f"fractional_max_pool{n}d: {what} must either be a single Int or tuple of {ints}")
+        if random_samples.dtype != self.dtype:  # CPU's check, which torch's meta kernels leave out
+            raise RuntimeError("Expect _random_samples to have the same dtype as input")
         if n == 3:  # torch's 3-d meta kernel does not check the samples as CPU does
             batch, planes = (self.shape[0], self.shape[1]) if self.dim() == 5 else (1, self.shape[0])
             if random_samples.shape[0] < batch:

@@ -291,8 +291,10 @@ def _unique(self: torch.Tensor, dim: int | None, consecutive: bool, inverse: boo
         if self.dim() == 0 or not 0 <= d < self.dim():
             raise IndexError(f"Dimension out of range (expected to be in range of [-1, 0], but got {dim})")
         moved = jnp.moveaxis(x, d, 0)
-        if moved.shape[0] == 0:
-            v, inv, cnt, k = moved, jnp.zeros(0, jnp.int64), jnp.zeros(0, jnp.int64), 0
+        if moved.shape[0] != 0 and 0 in moved.shape:  # CPU's refusal, in its words
+            raise RuntimeError("There are 0 sized dimensions, and they aren't selected, so unique cannot be applied")
+        if moved.shape[0] == 0:  # nothing along dim: the input itself, in its own shape
+            v, inv, cnt, k = x, jnp.zeros(0, jnp.int64), jnp.zeros(0, jnp.int64), 0
         else:
             rows = moved.reshape(moved.shape[0], -1)
             v, inv, cnt, k = execute(program("aten.unique_dim", _unique_rows, consecutive), rows)
