@@ -42,13 +42,29 @@ def _same_layout(cpu: torch.Tensor, tpu: torch.Tensor) -> None:
         lambda a: F.adaptive_avg_pool2d(a, 1),
         lambda a: F.batch_norm(a, torch.zeros(3, device=a.device), torch.ones(3, device=a.device), training=True),
         lambda a: F.batch_norm(a, torch.zeros(3, device=a.device), torch.ones(3, device=a.device), training=False),
+        lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect"),
+        lambda a: F.pad(a, (1, 2, 2, 1), mode="replicate"),
     ],
     ids=["add", "relu", "silu", "clone", "to_double", "avg_pool2d", "max_pool2d", "adaptive_avg_pool2d",
-         "batch_norm_train", "batch_norm_eval"],
+         "batch_norm_train", "batch_norm_eval", "reflection_pad2d", "replication_pad2d"],
 )
 def test_channels_last_results_keep_cpu_strides(fn):
     x = _nhwc(2, 3, 6, 6)
     _same_layout(fn(x), fn(x.to("tpu")))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_padding_a_channels_last_3d_input_keeps_its_layout_forward_and_backward(mode):
+    x = torch.randn(2, 3, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d)
+    grads = []
+    for a in (x.clone().requires_grad_(), x.to("tpu").requires_grad_()):
+        y = F.pad(a, (1, 1, 2, 1, 1, 2), mode=mode)
+        y.backward(torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape).to(a.device))
+        grads.append((y, a.grad))
+    (cy, cg), (ty, tg) = grads
+    _same_layout(cy.detach(), ty.detach())
+    assert tg.stride() == cg.stride()
+    torch.testing.assert_close(tg.cpu(), cg)
 
 
 def test_transfer_keeps_channels_last_both_ways():

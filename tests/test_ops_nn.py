@@ -380,6 +380,22 @@ def test_fractional_max_pool3d_matches_cpu():
     assert torch.equal(got_idx.cpu(), want_idx)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [2, 3])
+def test_fractional_max_pool_low_precision_windows_as_cpu(n, dtype):
+    """CPU computes the window starts in the input's dtype, rounding at each step: in bfloat16 and
+    float16 its windows differ from those float32 arithmetic gives, for some samples."""
+    torch.manual_seed(0)
+    pool = getattr(torch.nn.functional, f"fractional_max_pool{n}d")
+    for _ in range(6):
+        x, samples = torch.randn(2, 3, *(9, 7, 11)[:n]).to(dtype), torch.rand(2, 3, n).to(dtype)
+        want, want_idx = pool(x, 2, output_size=(4, 5, 6)[:n], _random_samples=samples, return_indices=True)
+        got, got_idx = pool(x.to("tpu"), 2, output_size=(4, 5, 6)[:n], _random_samples=samples.to("tpu"),
+                            return_indices=True)
+        assert torch.equal(got_idx.cpu(), want_idx)
+        assert torch.equal(got.cpu(), want)
+
+
 def test_binomial_on_device_as_cpu_draws():
     """Successes out of ``count`` trials (torch.distributions.Binomial), in count's dtype: CPU's edges
     (a count <= 0 gives 0, a probability >= 1 gives the count) exactly, the mean within noise, CPU's

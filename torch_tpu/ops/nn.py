@@ -1265,8 +1265,11 @@ def _register_pad(op, mode):
         _, vjp = jax.vjp(lambda x: _pad(x, padding, mode), jnp.zeros(self.shape, _acc(grad_output).dtype))
         return vjp(_acc(grad_output))[0]
 
-    lower(op.default)(forward)
-    lower(getattr(aten, op._qualified_op_name.split("::")[1] + "_backward").default)(backward)
+    # CPU's kernels lay the result out as the input (channels_last stays so); torch's meta kernels
+    # make it contiguous: the result's strides are CPU's, taken once per signature
+    bwd = getattr(aten, op._qualified_op_name.split("::")[1] + "_backward")
+    lower(op.default, meta=cpu_meta(op))(forward)
+    lower(bwd.default, meta=cpu_meta(bwd))(backward)
 
 
 for _op in (aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d):
@@ -1800,10 +1803,10 @@ def _fractional_max_pool(x, kernel_size, output_size, random_samples, n: int):
     sizes = xb.shape[2:]
     samples = random_samples.reshape(planes, n)
     order = [1, 0] if n == 2 else [0, 1, 2]  # which sample column drives each spatial dim
-    acc = x.dtype if x.dtype not in _LOW else jnp.float32
     flat = jnp.zeros((planes,) + (1,) * (2 * n), jnp.int64)
     for d in range(n):
-        starts = _fractional_starts(samples[:, order[d]], sizes[d], output_size[d], kernel_size[d], acc)
+        # in the input's dtype, rounded at each step as CPU's kernel computes them (bfloat16 too)
+        starts = _fractional_starts(samples[:, order[d]], sizes[d], output_size[d], kernel_size[d], x.dtype)
         pos = starts[:, :, None] + jnp.arange(kernel_size[d])  # (planes, out_d, pool_d)
         shape = [planes] + [1] * (2 * n)
         shape[1 + d], shape[1 + n + d] = output_size[d], kernel_size[d]
