@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torch_tpu
+from torch_tpu.bench import decode
 from torch_tpu.bench.decode import static_decode, tiny_llama
 from torch_tpu.runtime import cache
 
@@ -255,8 +256,6 @@ def test_export_refuses_a_forward_that_changes_its_input_in_place():
 
 
 def test_the_decode_bench_export_loop_gives_the_exported_programs_tokens_on_cpu():
-    from torch_tpu.bench import decode
-
     kw = dict(new=3, prompt_len=2, batch=2, layers=1, hidden=32)
     served, on_cpu = decode.measure("export", "export", **kw), decode.measure("cpu", "export", **kw)
     assert served["tokens"].shape == (2, 3)
@@ -264,3 +263,25 @@ def test_the_decode_bench_export_loop_gives_the_exported_programs_tokens_on_cpu(
     assert served["compiles_first_call"] is None  # JAX compiles the artifact: not torch_tpu's count
     with pytest.raises(ValueError, match="export loop runs in mode 'export'"):
         decode.measure("fused", "export", **kw)
+
+
+def test_the_decode_bench_jax_mode_is_the_same_llama_with_cpus_tokens(capsys):
+    """``bench decode --modes jax``: the ceiling, the same Llama written in JAX with a donated static
+    cache, gives CPU's greedy tokens on the fixed-shape loop (and runs no other loop); ``--json``
+    prints each row as one object with the fields a report reads."""
+    import json
+
+    rows = decode.table(["cpu", "jax"], ["static", "generate"], json_rows=True, new=6, prompt_len=4, batch=2,
+                        layers=1, hidden=32)
+    by = {(r["loop"], r["mode"]): r for r in rows}
+    assert set(by) == {("static", "cpu"), ("static", "jax"), ("generate", "cpu")}
+    jax_row = by[("static", "jax")]
+    assert torch.equal(jax_row["tokens"], by[("static", "cpu")]["tokens"]) and jax_row["same_tokens_as_cpu"]
+    assert jax_row["compiles_after_first_call"] is None  # JAX's compiles, not torch_tpu's
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(p["loop"], p["mode"]) for p in printed] == [("static", "cpu"), ("static", "jax"), ("generate", "cpu")]
+    for p in printed:
+        assert {"loop", "mode", "tokens_per_s", "host_ms_per_token", "compiles_after_first_call",
+                "same_tokens_as_cpu"} <= set(p)
+    with pytest.raises(ValueError, match="fixed shapes"):
+        decode.measure("jax", "generate", new=2, prompt_len=2, batch=1)

@@ -50,10 +50,6 @@ def test_opinfo(op):
 # whole), so this is a separate check. Ops known to fail, each with why; the test fails when one
 # of them starts passing (remove it here) as when any other op regresses.
 COMPILED_XFAIL = {
-    "_native_batch_norm_legit": "called directly in eval mode, torch's fake kernel of the functional op returns the "
-                                "running mean itself as the saved mean, so AOTAutograd makes them one graph output "
-                                "of shape (C,); CPU saves (0,). F.batch_norm in eval traces "
-                                "_native_batch_norm_legit_no_training, which is right",
     "as_strided.partial_views": "the CPU input is a view at an offset; .to('tpu') copies it to offset 0 (eager too)",
     "tensor_split": "the harness moves tensor_indices_or_sections to tpu; torch wants it on the CPU (eager too)",
     "sparse.sampled_addmm": "sparse CSR tensors are not supported on tpu",

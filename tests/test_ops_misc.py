@@ -620,6 +620,9 @@ def test_64_bit_integer_products_are_exact_and_wrap_as_on_cpu(dtype):
         (torch.addbmm, (ints(3, 2), ints(5, 3, 4), ints(5, 4, 2))),
         (torch.mm, (torch.full((2, 3), big - 1).to(dtype), torch.full((3, 2), 7).to(dtype))),  # wraps
         (torch.mm, (ints(64, 2100, high=2**40), ints(2100, 64, high=2**40))),  # several chunks, wrapping
+        (torch.mm, (ints(2, 0), ints(0, 2))),  # an empty inner dimension: zeros
+        (torch.matmul, (ints(3, 2, 0), ints(0, 4))),
+        (torch.dot, (ints(0), ints(0))),
     ]
     for op, args in cases:
         try:

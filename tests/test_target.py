@@ -107,6 +107,62 @@ def test_64_bit_integer_products_compile_for_the_chip(v5e):
     assert any(p["program"].startswith("aten.mm.default(int64[4, 4]") for p in report["per_program"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_an_svd_compiles_for_the_chip_and_gives_cpus_values(v5e, dtype):
+    """JAX's TPU SVD made 64-bit loop values that XLA:TPU could not rewrite (found by
+    tools/target_sweep.py: svd, pinv, nuclear norms did not compile for a TPU); the 32-bit SVD is
+    now traced with 64-bit types off. Full and reduced, tall and wide, batched, and its gradient.
+    (float64 compiled before and does now, in about 80 s here: XLA:TPU emulates it.)"""
+    torch.manual_seed(0)
+    for shape in ((5, 4), (4, 5), (3, 5, 5)):
+        a = torch.randn(*shape, dtype=dtype)
+        for full in (False, True):
+            u, s, vh = torch.linalg.svd(a.to("tpu"), full_matrices=full)
+            want_s = torch.linalg.svdvals(a)
+            k = want_s.shape[-1]
+            torch.testing.assert_close(s.cpu(), want_s, rtol=1e-4, atol=1e-5)
+            rebuilt = (u.cpu()[..., :k] * s.cpu().to(u.dtype)[..., None, :]) @ vh.cpu()[..., :k, :]
+            torch.testing.assert_close(rebuilt, a, rtol=1e-4, atol=1e-4)
+    x = torch.randn(4, 3, dtype=dtype, requires_grad=True)
+    xt = x.detach().to("tpu").requires_grad_()
+    torch.linalg.svd(x, full_matrices=False)[1].sum().backward()
+    torch.linalg.svd(xt, full_matrices=False)[1].sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.linalg.pinv(torch.randn(3, 3).to("tpu")).cpu()
+    report = torch_tpu.target_report()
+    assert report["programs"]["failed"] == 0, report["failures"]
+    assert any(p["program"].startswith("aten._linalg_svd.default") for p in report["per_program"])
+
+
+def test_a_float64_fft_runs_on_the_host_for_a_tpu_target_and_a_float32_one_compiles(tmp_path, monkeypatch):
+    """XLA:TPU's FFT takes 32-bit types only ("Unexpected operand type for FFT: f64"): with a TPU
+    target a float64 or complex128 FFT runs on the host, CPU's values, counted and named; a
+    float32 one compiles for the chip; without a target both run on the device."""
+    from torch_tpu.runtime import metrics
+
+    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))
+    x = torch.randn(5, 3, 10, dtype=torch.float64)
+    name = "aten._fft_r2c.default"
+    before = metrics.fallback_counts[name]
+    torch.fft.rfftn(x.to("tpu"), dim=(1, 2)).cpu()
+    assert metrics.fallback_counts[name] == before  # no target: XLA:CPU's float64 FFT
+    with torch_tpu.set_eager_mode("strict"), torch_tpu.set_target("v5e"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.fft.rfftn(x.to("tpu"), dim=(1, 2))
+            back = torch.fft.irfftn(got, dim=(1, 2), s=(3, 10))
+            single = torch.fft.fft(x.float().to("tpu"))
+        torch.testing.assert_close(got.cpu(), torch.fft.rfftn(x, dim=(1, 2)))
+        torch.testing.assert_close(back.cpu(), x)
+        torch.testing.assert_close(single.cpu(), torch.fft.fft(x.float()), rtol=1e-4, atol=1e-4)
+        report = torch_tpu.target_report()
+    assert metrics.fallback_counts[name] == before + 1
+    assert report["host_fallbacks"] == {name: 1, "aten._fft_c2r.default": 1}, report["host_fallbacks"]
+    assert report["programs"]["failed"] == 0, report["failures"]
+    assert any(p["program"].startswith("aten._fft_c2c.default(complex64") or
+               p["program"].startswith("aten._fft_r2c.default(float32") for p in report["per_program"])
+
+
 def test_a_captured_graph_compiles_for_the_chip(v5e):
     x = torch.randn(8, 8, device="tpu")
     g = torch.tpu.TPUGraph()

@@ -1,8 +1,8 @@
 """Benchmark commands.
 
     python -m torch_tpu.bench dispatch [--n 2000]
-    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue|gpt-tiny --mode strict|fused|compile|graph|estimator
-                                    [--steps N]
+    python -m torch_tpu.bench train --workload mlp|gpt|gpt-issue|gpt-tiny
+                                    --mode strict|fused|compile|graph|estimator|jax [--steps N] [--bf16] [--target v5e]
     python -m torch_tpu.bench train --workload gpt --compare
     python -m torch_tpu.bench estimator --workload gpt --mode compile [--devices 1,4]
     python -m torch_tpu.bench predict --workload mlp|gpt [--batches 20] [--mode fused]
@@ -10,7 +10,7 @@
     python -m torch_tpu.bench ddp [--nproc 1,2,4]
     python -m torch_tpu.bench fsdp [--nproc 2]                  (DDP next to FSDP2, both paths)
     python -m torch_tpu.bench decode [--new 32] [--prompt 16] [--batch 4] [--modes cpu,fused,compile,...] [--rounds 1]
-                                     [--loops generate,static,export] [--threads N]
+                                     [--loops generate,static,export] [--threads N] [--target v5e] [--json]
                                      (see bench/decode.py)
 
 ``estimator``: samples per second of ``TPUEstimator.fit`` on the workload's batch (fed through a
@@ -35,6 +35,9 @@ graphs require) and replays it; its first-step time includes the warm-up and the
 ``--mode estimator`` runs the same steps as ``TPUEstimator().fit`` in its default mode (each step
 captured once and replayed, see ``torch_tpu.estimator.replay``) over a loader of the fixed batch,
 each batch sent from the host as a loader's would be; its windows are timed at step ends.
+``--mode jax`` is the ceiling: the same workload written in JAX (``bench/jax_step.py``: the same
+weights, batch and optimizer arithmetic), one compiled step with its state donated, timed the
+same way; with ``--target`` its program is compiled for the chip as the tpu modes' are.
 
 ``dispatch``: median microseconds per op for small ops (add, mul, matmul on 64x64 and an
 in-place add) on tpu in strict mode, next to CPU PyTorch in the same run. Each figure is the
@@ -49,14 +52,15 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import torch_tpu
-from torch_tpu.bench import decode, distributed, workloads
+from torch_tpu.bench import decode, distributed, jax_step, workloads
+from torch_tpu.bench.clock import host_ns
 from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.estimator import TPUEstimator
 from torch_tpu.estimator.execution import compile_counters
@@ -106,27 +110,6 @@ def _compile_seconds() -> float:
     return torch_tpu.metrics()["compile_seconds"]
 
 
-def _host_ns() -> int:
-    """CPU nanoseconds used so far by this thread and by autograd's device threads (``pt_autograd_*``,
-    which run backward): the host's work, without XLA:CPU's own threads."""
-    me = threading.get_native_id()
-    total = 0
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:  # no procfs: this thread alone
-        return time.thread_time_ns()
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            if int(tid) == me or name.startswith("pt_autograd"):
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-    return total
-
-
 def _captured(step: Any) -> tuple[Any, torch.Tensor]:
     """The step as CUDA-graph code runs it: an eager warm-up step (its loss is returned: it stands
     for the first step, so every mode runs as many steps), one step captured, then replays."""
@@ -160,7 +143,7 @@ def _estimator_train(workload: str, steps: int, warmup: int, window: _target_win
     def mark(est: Any, logs: dict) -> None:
         if logs["step"] in ends:
             logs["loss"]  # noqa: B018 - the host read that ends the window's queued work
-            marks[logs["step"]] = (time.perf_counter(), time.process_time(), _host_ns(), _compile_seconds())
+            marks[logs["step"]] = (time.perf_counter(), time.process_time(), host_ns(), _compile_seconds())
             if window is not None and logs["step"] == warmup + 1:
                 window.start()
 
@@ -214,6 +197,9 @@ def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_wi
     if mode == "estimator":
         return _estimator_train(workload, steps, warmup, window, bf16)
 
+    if mode == "jax":
+        step, compile_s = jax_step.stepper(workload, bf16, _watch_jax(workload))
+        return _timed(workload, mode, lambda: (step, step()), steps, warmup, window, bf16, compile_s)
     previous = torch_tpu.get_eager_mode()
     if mode == "cpu":
         dev = "cpu"
@@ -225,34 +211,53 @@ def _train(workload: str, mode: str, steps: int, warmup: int, window: _target_wi
         if mode == "compile":
             torch._dynamo.reset()
             step = torch.compile(step, backend="tpu")
-        compiled0 = _compile_seconds()
-        t0 = time.perf_counter()
-        if mode == "graph":
-            step, loss = _captured(step)
-        else:
-            loss = step()
-        float(loss.detach().to("cpu"))
-        first = time.perf_counter() - t0
-        compile_s = _compile_seconds() - compiled0
-        for _ in range(warmup - 1):
-            step()
-        float(step().detach().to("cpu"))
-        best = 0.0
-        cpu0 = time.process_time()
-        host0 = _host_ns()
-        if window is not None:
-            window.start()
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(steps):
-                loss = step()
-            final = float(loss.detach().to("cpu"))  # a host read ends the window's queued work
-            best = max(best, steps / (time.perf_counter() - t))
-        # every thread of the process: XLA:CPU's and Python's compete for the same cores
-        cpu_ms = (time.process_time() - cpu0) / (3 * steps) * 1e3
-        host_ms = (_host_ns() - host0) / (3 * steps) / 1e6
+        first: Callable[[], tuple[Callable, Any]] = (lambda: _captured(step)) if mode == "graph" else (
+            lambda: (step, step()))
+        return _timed(workload, mode, first, steps, warmup, window, bf16)
     finally:
         torch_tpu.set_eager_mode(previous)
+
+
+def _watch_jax(workload: str) -> Callable[[Callable, Callable, tuple], Callable]:
+    """The JAX step's executable, compiled for the target chip as the tpu modes' programs are."""
+
+    def watch(run: Callable, fn: Callable, donated: tuple) -> Callable:
+        return _target.watch(run, kind="jax", name=f"jax {workload} step", fn=fn, ops=["jax step"],
+                             site=lambda: None, donate=donated)
+
+    return watch
+
+
+def _timed(workload: str, mode: str, first_step: Callable[[], tuple[Callable, Any]], steps: int, warmup: int,
+           window: _target_window | None, bf16: bool, compiled_ahead: float = 0.0) -> dict:
+    """The row of one mode: ``first_step()`` runs the first step and returns the step to repeat and
+    the first loss (graph mode: the eager step and the capture), then ``warmup`` more steps, then
+    the best of three timed windows of ``steps`` steps, each ended by a host read of the loss.
+    ``compiled_ahead``: the seconds of a compile made before the first step (JAX's), counted in
+    the first step's time and in the compile seconds."""
+    compiled0 = _compile_seconds()
+    t0 = time.perf_counter()
+    step, loss = first_step()
+    jax_step.loss_value(loss)
+    first = time.perf_counter() - t0 + compiled_ahead
+    compile_s = _compile_seconds() - compiled0 + compiled_ahead
+    for _ in range(warmup - 1):
+        step()
+    jax_step.loss_value(step())
+    best = 0.0
+    cpu0 = time.process_time()
+    host0 = host_ns()
+    if window is not None:
+        window.start()
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        final = jax_step.loss_value(loss)  # a host read ends the window's queued work
+        best = max(best, steps / (time.perf_counter() - t))
+    # every thread of the process: XLA:CPU's and Python's compete for the same cores
+    cpu_ms = (time.process_time() - cpu0) / (3 * steps) * 1e3
+    host_ms = (host_ns() - host0) / (3 * steps) / 1e6
     row = {"workload": workload, "mode": mode, "steps_per_s": round(best, 3), "first_step_s": round(first, 3),
            "compile_s": round(compile_s, 3), "cpu_ms_per_step": round(cpu_ms, 2),
            "host_ms_per_step": round(host_ms, 3), "final_loss": round(final, 5),
@@ -369,7 +374,7 @@ def main() -> None:
     t = sub.add_parser("train", help="training steps per second of a workload")
     t.add_argument("--workload", default="mlp", choices=["mlp", "gpt", "gpt-issue", "gpt-xl", "gpt-tiny"])
     t.add_argument("--mode", default="strict",
-                   choices=["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"])
+                   choices=["debug", "strict", "fused", "compile", "graph", "estimator", "jax", "cpu"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--compare", action="store_true", help="all modes and CPU eager, one process")
     t.add_argument("--bf16", action="store_true", help="the forward under torch.autocast to bfloat16")
@@ -391,6 +396,9 @@ def main() -> None:
     g.add_argument("--modes", default="cpu,fused,compile,compile-fused,strict")
     g.add_argument("--loops", default="generate,static,export")
     g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for the run (0: torch's default)")
+    g.add_argument("--target", default=None,
+                   help="a TPU chip (v4, v5e, v5p, v6e) or topology: each tpu row gains its projected tokens/s there")
+    g.add_argument("--json", action="store_true", help="also print each row as one JSON object")
     g.add_argument("--rounds", type=int, default=1,
                    help="measure each mode this many times, each beside a CPU run; report the median ratio")
     a = p.parse_args()
@@ -405,11 +413,11 @@ def main() -> None:
             torch.set_num_threads(a.threads)
         print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
         decode.table(a.modes.split(","), a.loops.split(","), rounds=a.rounds, new=a.new, prompt_len=a.prompt,
-                     batch=a.batch)
+                     batch=a.batch, target=a.target, json_rows=a.json)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":
-        modes = ["debug", "strict", "fused", "compile", "graph", "estimator", "cpu"] if a.compare else [a.mode]
+        modes = ["debug", "strict", "fused", "compile", "graph", "estimator", "jax", "cpu"] if a.compare else [a.mode]
         rows = [train(a.workload, m, a.steps, target=None if m == "cpu" else a.target, bf16=a.bf16) for m in modes]
         for r in rows:
             print(json.dumps(r))

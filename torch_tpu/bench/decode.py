@@ -20,6 +20,10 @@ measured:
   PyTorch's dispatcher, as a server runs it. Its mode column is ``export`` (``cpu``: the same
   exported program run by PyTorch on CPU), and its compiles are JAX's, not counted here.
 
+``jax`` is the ceiling (``bench/jax_decode.py``): the same Llama written in JAX, one jitted step per
+token with its static cache donated, the prompt fed one position per call; it runs with the
+``static`` loop and gives CPU's tokens.
+
 Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compile``
 (``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode) and
 ``compile-fused`` (the same compiled forward, with generate's own ops outside it in fused mode). Reported per
@@ -39,6 +43,7 @@ serves it, see docs/integrations.md).
 from __future__ import annotations
 
 import inspect
+import json
 import time
 import warnings
 from typing import Any
@@ -46,9 +51,12 @@ from typing import Any
 import torch
 
 import torch_tpu
+from torch_tpu.bench import jax_decode
+from torch_tpu.bench.clock import host_ns
 from torch_tpu.runtime import metrics as _metrics
+from torch_tpu.runtime import target as _target
 
-MODES = ("cpu", "fused", "compile", "compile-fused", "strict")
+MODES = ("cpu", "fused", "compile", "compile-fused", "strict", "jax")
 # decodes per mode: the first gives the first-token latency and the compiles; the last ``TIMED`` the
 # steady speed (their median: a single 32-token call lasts ~50 ms on CPU, short enough for the shared
 # machine's hiccups to move it by half). Two warm-ups, not one: the second call of a fused-mode
@@ -176,6 +184,8 @@ class _Clock:
 
 
 def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -> torch.Tensor:
+    if isinstance(model, jax_decode.Decoder):  # each token read on the host where it is made
+        return model.decode(prompt, new, on_token=lambda step, token: (token.block_until_ready(), clock.mark()))
     if loop == "export":
         if hasattr(model, "reset_state"):
             model.reset_state()  # a fresh request: the exported cache empty again
@@ -195,8 +205,18 @@ def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -
 
 
 def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 16, batch: int = 4,
-            layers: int = 2, hidden: int = 128) -> dict:
-    """One mode and loop: two decodes from the same prompt (see the module docstring)."""
+            layers: int = 2, hidden: int = 128, target: str | None = None) -> dict:
+    """One mode and loop: two decodes from the same prompt (see the module docstring). ``target``
+    (a TPU chip, tpu modes and the export loop): every program of the run is also compiled for it,
+    and the row gains a ``"target"`` object projecting the timed calls' tokens on that chip."""
+    if target is None or mode == "cpu":
+        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, None)
+    with torch_tpu.set_target(target):
+        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, target)
+
+
+def _measure(mode: str, loop: str, new: int, prompt_len: int, batch: int, layers: int, hidden: int,
+             target: str | None) -> dict:
     # each mode compiles a fresh model: without a reset, Dynamo keeps every earlier mode's entries
     # for the same forward code, checks their guards at each call, and past its recompile limit runs
     # the forward eagerly, so a mode's figure would depend on the modes measured before it
@@ -208,7 +228,16 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
             raise ValueError(f"the export loop runs in mode 'export' (the artifact) or 'cpu', not {mode!r}")
         step = export_step(model, batch, prompt_len + new)
         model = step.module() if mode == "cpu" else torch_tpu.export(step)
-    device = "cpu" if mode in ("cpu", "export") else "tpu"
+    if mode == "jax":
+        if loop != "static":
+            raise ValueError(f"the jax mode (the ceiling) decodes with fixed shapes: loop 'static', not {loop!r}")
+        watch = None
+        if target:
+            def watch(run: Any, fn: Any, donated: tuple) -> Any:
+                return _target.watch(run, kind="jax", name="jax decode step", fn=fn, ops=["jax decode step"],
+                                     site=lambda: None, donate=donated)
+        model = jax_decode.Decoder(model, batch, prompt_len + new, watch)
+    device = "cpu" if mode in ("cpu", "export", "jax") else "tpu"
     previous = torch_tpu.get_eager_mode()
     if device == "tpu":
         model = model.to("tpu")
@@ -218,7 +247,9 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
         torch_tpu.set_eager_mode("fused" if mode.endswith("fused") else "strict")
     try:
         runs = []
-        for _ in range(CALLS):
+        for call in range(CALLS):
+            if call == CALLS - TIMED:  # the timed calls begin: what the target projects
+                snap, host0 = _target.snapshot() if target else {}, host_ns()
             clock = _Clock(device, sync=loop != "generate")
             start = (time.perf_counter(), time.process_time(), _compiles() if device == "tpu" else 0)
             with warnings.catch_warnings():
@@ -228,6 +259,7 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
             # settled after the call: what the last marks left pending (the last step's) is counted
             end = _compiles() if device == "tpu" else 0
             runs.append((start, clock.marks, tokens, end))
+        host_s = (host_ns() - host0) / 1e9
     finally:
         if device == "tpu":
             torch_tpu.set_eager_mode(previous)
@@ -239,7 +271,7 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
     seconds, cpu, steps = sorted(timed)[len(timed) // 2]
     first = marks0[0]
     later = marks0[min(8, len(marks0) - 1)]
-    return {
+    row = {
         "mode": mode, "loop": loop, "tokens_per_s": round(batch * steps / seconds, 1),
         "host_ms_per_token": round(1000 * cpu / steps, 2), "wall_ms_per_token": round(1000 * seconds / steps, 2),
         "first_token_s": round(first[0] - start0[0], 3),
@@ -248,16 +280,27 @@ def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 
         "compiles_first_call": None if device != "tpu" else end0 - start0[2],
         "compiles_after_token_8": None if device != "tpu" else end0 - later[2],
         "compiles_last_call": None if device != "tpu" else end1 - marks1[0][2],
+        "compiles_after_first_call": None if device != "tpu" else sum(e - st[2] for st, _, _, e in runs[1:]),
         "tokens": tokens,
     }
+    if target:
+        # per token step of the timed calls, their prefill included: the device's time from the
+        # programs they ran as XLA:TPU compiled them, the host's measured here (this thread and
+        # autograd's, not XLA:CPU's compute threads)
+        token_steps = TIMED * new
+        t = _target.since(snap, token_steps, host_s / token_steps)
+        t["projected_tokens_per_s"] = batch * t["projected_steps_per_s"]
+        row["target"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in t.items()}
+    return row
 
 
 def _count(n: int | None) -> str:
     return "-" if n is None else str(n)
 
 
-def table(modes: list[str], loops: list[str], rounds: int = 1, **kw: Any) -> list[dict]:
-    """Every mode and loop in one process, CPU first; prints a table, returns the rows.
+def table(modes: list[str], loops: list[str], rounds: int = 1, json_rows: bool = False, **kw: Any) -> list[dict]:
+    """Every mode and loop in one process, CPU first; prints a table (``json_rows``: also a JSON
+    object per row), returns the rows.
 
     ``rounds`` > 1 measures each mode that many times, each right after a CPU run of its own, and
     reports the round with the median ratio: a shared machine's speed drifts (by up to 1.6x within
@@ -271,6 +314,8 @@ def table(modes: list[str], loops: list[str], rounds: int = 1, **kw: Any) -> lis
         # the export loop has two modes of its own: the artifact, and its program on CPU
         for mode in (("cpu", "export") if loop == "export" else modes):
             if loop == "export" and "cpu" not in modes and mode == "cpu":
+                continue
+            if mode == "jax" and loop != "static":  # the ceiling is a fixed-shape loop
                 continue
             if mode == "cpu":
                 r = ref = cpu[loop] = measure(mode, loop, **kw)
@@ -291,5 +336,19 @@ def table(modes: list[str], loops: list[str], rounds: int = 1, **kw: Any) -> lis
             print(f"| {loop} | {mode} | {r['tokens_per_s']} | {ratio} | {r['host_ms_per_token']} | "
                   f"{r['wall_ms_per_token']} | {r['first_token_s']} | {r['first_call_s']} | "
                   f"{_count(r['compiles_first_call'])} | {_count(r['compiles_after_token_8'])} | {same} |", flush=True)
+            r["same_tokens_as_cpu"] = None if same == "-" else same == "True"
+            if json_rows:
+                print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
             rows.append(r)
+    projected = [r for r in rows if r.get("target")]
+    if projected:
+        t0 = projected[0]["target"]
+        print(f"\nprojected on {t0['chip']} (per token step of the timed calls, prefill included):")
+        print("| loop | mode | device ms | host ms | tokens/s | bound | peak HBM MiB | failed programs |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in projected:
+            t = r["target"]
+            print(f"| {r['loop']} | {r['mode']} | {t['device_ms_per_step']:.4f} ({t['device_ms_source']}) | "
+                  f"{t['host_ms_per_step']:.3f} | {t['projected_tokens_per_s']:.0f} | {t['bound']} | "
+                  f"{t['peak_hbm_bytes'] / 2**20:.1f} | {t['failed_programs']} |")
     return rows

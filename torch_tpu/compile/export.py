@@ -21,6 +21,7 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch_tpu.compile import serve
 from torch_tpu.compile.backend import lower_graph
 from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.runtime import target as _target
 
 
 def _host(x: Any) -> Any:
@@ -54,6 +55,9 @@ class Exported:
         self._jitted = jax.jit(fn)
         # the state's arrays are the artifact's own: each call's new values may reuse their buffers
         self._run = jax.jit(fn, donate_argnums=(1,)) if state else self._jitted
+        # with a TPU target set (torch_tpu.set_target), the artifact's program is compiled for it too
+        self._run = _target.watch(self._run, kind="export", name="exported program", fn=fn, ops=["torch_tpu.export"],
+                                  site=lambda: None, donate=(1,) if state else ())
         self._weight_arrays: list | None = None
         self._state_arrays: list | None = None
 

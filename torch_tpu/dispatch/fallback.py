@@ -211,14 +211,16 @@ def register() -> None:
     _lib.fallback(fallback, "PrivateUse1")
 
 
-def host_on_tpu_kernel(op: torch._ops.OpOverload, device_kernel: Callable) -> Callable:
+def host_on_tpu_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
+                       when: Callable[..., bool] | None = None) -> Callable:
     """The kernel of an op XLA cannot compile for a TPU (``Lowering.host_on_tpu``: eig): on a TPU,
-    or with a TPU target set (``runtime.target``), each call runs on the host as a CPU fallback
-    (counted, warned once, named in the target's report); elsewhere the device kernel runs."""
+    or with a TPU target set (``runtime.target``), each call (each one ``when(*args, **kwargs)``
+    accepts, if given: an FFT of float64) runs on the host as a CPU fallback (counted, warned once,
+    named in the target's report); elsewhere the device kernel runs."""
     name = str(op)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not (_target.active() or platform() == "tpu"):
+        if not (_target.active() or platform() == "tpu") or (when is not None and not when(*args, **kwargs)):
             return device_kernel(*args, **kwargs)
         _target.note_host_op(name)
         metrics.op_counts[name] += 1

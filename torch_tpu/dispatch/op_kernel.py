@@ -963,7 +963,8 @@ def register_lowerings() -> int:
             if lowering.random and _rng.SOURCE == "cpu":
                 fn = cpu_stream_kernel(target, fn)
             if lowering.host_on_tpu:
-                fn = host_on_tpu_kernel(target, fn)
+                when = lowering.host_on_tpu if callable(lowering.host_on_tpu) else None
+                fn = host_on_tpu_kernel(target, fn, when)
             register_kernel(target, fn, f"lowering ({k})")
             n += 1
     return n

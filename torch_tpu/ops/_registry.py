@@ -62,8 +62,10 @@ class Lowering:
     # per value). Only for arguments no shape depends on.
     runtime_numbers: tuple[str, ...] = ()
     # XLA has no TPU kernel for it (eig): eager calls run on the host where the platform or the
-    # TPU target is a TPU, counted as CPU fallbacks (``dispatch.fallback.host_on_tpu_kernel``)
-    host_on_tpu: bool = False
+    # TPU target is a TPU, counted as CPU fallbacks (``dispatch.fallback.host_on_tpu_kernel``). A
+    # predicate of the call's (args, kwargs) limits it to some calls (FFTs of float64: XLA:TPU's
+    # FFT takes 32-bit types only)
+    host_on_tpu: bool | Callable[..., bool] = False
 
     def apply(self, key: Any, args: Sequence, kwargs: dict, outs: Sequence, name: str) -> list:
         """Calls the lowering: the one protocol of eager programs and of compiled graphs.
@@ -182,7 +184,7 @@ def lower(
     variants: dict | None = None,
     choose: Callable | None = None,
     runtime_numbers: tuple[str, ...] = (),
-    host_on_tpu: bool = False,
+    host_on_tpu: bool | Callable[..., bool] = False,
 ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the lowering of ``targets``.
 

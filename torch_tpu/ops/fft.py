@@ -49,7 +49,14 @@ def _complex_of(x):
     return x
 
 
-@lower(aten._fft_r2c.default)
+def _double(self, *args, **kwargs) -> bool:
+    """An FFT of float64 or complex128: XLA:TPU's FFT takes 32-bit types only ("Unexpected operand
+    type for FFT: f64"), so on a TPU (or with a TPU target) it runs on the host, as CPU computes
+    it, rather than in complex64, which would quietly lose half the digits."""
+    return self.dtype in (torch.float64, torch.complex128)
+
+
+@lower(aten._fft_r2c.default, host_on_tpu=_double)
 def fft_r2c(self, dim, normalization, onesided):
     """Real-to-complex transform over ``dim``; ``onesided`` keeps the last dim's first n//2+1 bins."""
     x = _complex_of(self)
@@ -62,7 +69,7 @@ def fft_r2c(self, dim, normalization, onesided):
     return _scale(out, n, normalization)
 
 
-@lower(aten._fft_c2r.default)
+@lower(aten._fft_c2r.default, host_on_tpu=_double)
 def fft_c2r(self, dim, normalization, last_dim_size):
     """Onesided complex-to-real inverse transform; ``last_dim_size`` is the real signal's last size.
 
@@ -83,7 +90,7 @@ def fft_c2r(self, dim, normalization, last_dim_size):
     return _scale(out, math.prod(s), normalization)
 
 
-@lower(aten._fft_c2c.default)
+@lower(aten._fft_c2c.default, host_on_tpu=_double)
 def fft_c2c(self, dim, normalization, forward):
     """Complex-to-complex transform over ``dim`` (``forward``: the sign of the exponent)."""
     x = _complex_of(self)

@@ -65,7 +65,8 @@ def _wide_int_matmul(a, b):
         return acc + jnp.sum(ai[..., :, :, None] * bi[..., None, :, :], axis=-2)
 
     out = jnp.zeros((*batch, m, n), jnp.result_type(a, b))
-    out = add_chunk(0, out) if steps == 1 else lax.fori_loop(0, steps, add_chunk, out)
+    if k > 0:  # an empty inner dimension sums nothing: zeros, as on CPU
+        out = add_chunk(0, out) if steps == 1 else lax.fori_loop(0, steps, add_chunk, out)
     out = out[..., 0, :] if vec_a else out
     return out[..., 0] if vec_b else out
 
@@ -450,12 +451,43 @@ def linalg_pinv(self, atol=None, rtol=None, hermitian=False):
     return _mH(vh) @ (s_inv[..., :, None] * _mH(u))
 
 
+_SVD_32: dict = {}
+
+
+def _svd_platforms() -> tuple[str, ...]:
+    local = jax.default_backend()
+    local = "cuda" if local == "gpu" else local
+    return tuple(dict.fromkeys((local, "tpu")))
+
+
+def _svd_32_bit(A, full_matrices: bool):
+    """A 32-bit SVD, traced with JAX's 64-bit types off, and embedded in the calling program.
+
+    Why: with them on (torch_tpu's int64 and float64 need them), JAX's TPU algorithm (QDWH, a
+    polar decomposition) makes 64-bit loop values and indices, and XLA:TPU cannot rewrite its
+    loop body to 32 bits ("While rewriting computation to not contain X64 element types, XLA
+    encountered an HLO for which this rewriting is not implemented: dot"): the program did not
+    compile for a TPU. A context that turns them off inside a trace does not reach the ops traced
+    there, so the SVD is exported on its own (``jax.export``, for the local platform and the TPU,
+    once per shape and dtype) with them off, and called as a function of the program."""
+    key = (tuple(A.shape), np.dtype(A.dtype), full_matrices)
+    exported = _SVD_32.get(key)
+    if exported is None:
+        fn = jax.jit(lambda a: jnp.linalg.svd(a, full_matrices=full_matrices))
+        with jax.enable_x64(False):
+            exported = jax.export.export(fn, platforms=_svd_platforms())(jax.ShapeDtypeStruct(A.shape, A.dtype))
+        _SVD_32[key] = exported
+    return exported.call(A)
+
+
 @lower(aten._linalg_svd)
 def _linalg_svd(A, full_matrices=False, compute_uv=True, driver=None):
     if not compute_uv:
         s = jnp.linalg.svd(A, compute_uv=False)
         empty = jnp.zeros((0,), A.dtype)
         return empty, s, empty
+    if A.dtype in (jnp.float32, jnp.complex64):
+        return _svd_32_bit(A, full_matrices)
     u, s, vh = jnp.linalg.svd(A, full_matrices=full_matrices)
     return u, s, vh
 

@@ -219,6 +219,8 @@ def _spec(x: Any, sharding: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type, sharding=sharding)
     if isinstance(x, (list, tuple)):
         return type(x)(_spec(y, sharding) for y in x)
+    if isinstance(x, dict):  # a pytree of arrays (a JAX program's weights)
+        return {k: _spec(v, sharding) for k, v in x.items()}
     return x
 
 
