@@ -101,7 +101,10 @@ def test_no_degrees_of_freedom_warns_each_call(op):
         for _ in range(2):
             op(x, dim=-1, correction=20)
         op(x, dim=-1)
-    assert len(w) == 2 and all("degrees of freedom is <= 0" in str(m.message) for m in w)
+    # counted among what was recorded: another warning may land in the window too (in make test's
+    # op group, residency's "compiled programs hold N memory mappings ... dropped" at that call)
+    dof = [m for m in w if "degrees of freedom is <= 0" in str(m.message)]
+    assert len(dof) == 2, [f"{m.category.__name__}: {m.message}" for m in w]
 
 
 def test_selection_along_an_empty_dim():
