@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from torch_tpu.testing import modules
+from torch_tpu.testing.expected import check_expected
 
 EXPECTED = json.loads((Path(__file__).parent / "moduleinfo_expected.json").read_text())
 _ALL = modules.module_infos()
@@ -34,11 +35,4 @@ def test_moduleinfo(info):
     v = modules.run([info], bf16=False)[0]
     if v.skipped:
         pytest.skip(v.skipped)
-    want = EXPECTED.get(v.name)
-    if want is None:
-        pytest.fail(f"{v.name} has no expectation: run `make coverage` to record it")
-    got = v.gated()
-    regressed = [k for k, ok in got.items() if want[k] and not ok]
-    improved = [k for k, ok in got.items() if ok and not want[k]]
-    assert not regressed, f"{v.name} regressed on {regressed}: {v.error} fallbacks={v.fallbacks}"
-    assert not improved, f"{v.name} now passes {improved}: run `make coverage` to update the expectations"
+    check_expected(v.name, v.gated(), EXPECTED, f"{v.error} fallbacks={v.fallbacks}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from torch_tpu.testing import opinfo
+from torch_tpu.testing.expected import check_expected
 
 EXPECTED = json.loads((Path(__file__).parent / "opinfo_expected.json").read_text())
 _ALL = opinfo.float32_ops()
@@ -33,14 +34,8 @@ def test_opinfo(op):
     v = opinfo.run([op])[0]
     if v.skipped:
         pytest.skip(v.skipped)
-    want = EXPECTED.get(v.name)
-    if want is None:
-        pytest.fail(f"{v.name} has no expectation: run `make coverage` to record it")
     got = {"forward": v.forward, "grad": v.grad, "no_fallback": v.no_fallback}
-    regressed = [k for k, ok in got.items() if want[k] and not ok]
-    improved = [k for k, ok in got.items() if ok and not want[k]]
-    assert not regressed, f"{v.name} regressed on {regressed}: {v.error} fallbacks={v.fallbacks}"
-    assert not improved, f"{v.name} now passes {improved}: run `make coverage` to update the expectations"
+    check_expected(v.name, got, EXPECTED, f"{v.error} fallbacks={v.fallbacks}")
 
 
 # ------------------------------------------------------------------------------ torch.compile

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from torch_tpu.testing import optimizers
+from torch_tpu.testing.expected import check_expected
 
 EXPECTED = json.loads((Path(__file__).parent / "optiminfo_expected.json").read_text())
 _ALL = optimizers.optim_infos()
@@ -31,11 +32,16 @@ def test_optiminfo(info):
     v = optimizers.run([info])[0]
     if v.skipped:
         pytest.skip(v.skipped)
-    want = EXPECTED.get(v.name)
-    if want is None:
-        pytest.fail(f"{v.name} has no expectation: run `make coverage` to record it")
-    got = v.gated()
-    regressed = [k for k, ok in got.items() if want[k] and not ok]
-    improved = [k for k, ok in got.items() if ok and not want[k]]
-    assert not regressed, f"{v.name} regressed on {regressed}: {v.error}"
-    assert not improved, f"{v.name} now passes {improved}: run `make coverage` to update the expectations"
+    check_expected(v.name, v.gated(), EXPECTED, v.error)
+
+
+def test_the_gates_rule_fails_a_regression_an_improvement_and_a_missing_entry():
+    """The rule all three gates share (torch_tpu/testing/expected.py): equal, or a named failure."""
+    want = {"SGD": {"step": True, "fused": None, "foreach": False}}
+    check_expected("SGD", {"step": True, "fused": None, "foreach": False}, want)
+    with pytest.raises(AssertionError, match=r"SGD regressed on \['step'\]: why"):
+        check_expected("SGD", {"step": False, "fused": None, "foreach": False}, want, "why")
+    with pytest.raises(AssertionError, match=r"now passes \['foreach'\]"):
+        check_expected("SGD", {"step": True, "fused": None, "foreach": True}, want)
+    with pytest.raises(AssertionError, match="has no expectation"):
+        check_expected("Adam", {"step": True}, want)

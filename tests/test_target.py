@@ -163,6 +163,30 @@ def test_a_float64_fft_runs_on_the_host_for_a_tpu_target_and_a_float32_one_compi
                p["program"].startswith("aten._fft_r2c.default(float32") for p in report["per_program"])
 
 
+def test_an_int64_convolution_runs_on_the_host_for_a_tpu_target(tmp_path, monkeypatch):
+    """XLA:TPU has no 64-bit integer convolution (found by tools/target_sweep.py): with a TPU
+    target it runs on the host, CPU's values, counted and named; without one, on the device."""
+    from torch_tpu.runtime import metrics
+
+    monkeypatch.setenv("TORCH_TPU_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randint(-5, 5, (1, 3, 6, 6), generator=g), torch.randint(-5, 5, (4, 3, 3, 3), generator=g)
+    name = "aten.convolution.default"
+    before = metrics.fallback_counts[name]
+    want = torch.nn.functional.conv2d(x, w, stride=2, padding=1)
+    assert torch.equal(torch.nn.functional.conv2d(x.to("tpu"), w.to("tpu"), stride=2, padding=1).cpu(), want)
+    assert metrics.fallback_counts[name] == before  # no target: XLA:CPU's convolution
+    with torch_tpu.set_eager_mode("strict"), torch_tpu.set_target("v5e"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.nn.functional.conv2d(x.to("tpu"), w.to("tpu"), stride=2, padding=1)
+            floats = torch.nn.functional.conv2d(x.float().to("tpu"), w.float().to("tpu"), stride=2, padding=1)
+        assert torch.equal(got.cpu(), want) and torch.equal(floats.cpu(), want.float())
+        report = torch_tpu.target_report()
+    assert metrics.fallback_counts[name] == before + 1
+    assert report["host_fallbacks"] == {name: 1} and report["programs"]["failed"] == 0, report
+
+
 def test_a_captured_graph_compiles_for_the_chip(v5e):
     x = torch.randn(8, 8, device="tpu")
     g = torch.tpu.TPUGraph()

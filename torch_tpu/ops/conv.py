@@ -160,7 +160,16 @@ def _conv_backward_meta(grad_output, input, weight, bias_sizes, stride, padding,
     return _in_format(gx, fmt), _in_format(gw, fmt), gb
 
 
-@lower(aten.convolution, meta=_convolution_meta)
+def _wide_int(input, *args, **kwargs) -> bool:
+    """A convolution of 64-bit integers: XLA:TPU has no 64-bit integer convolution ("While rewriting
+    computation to not contain X64 element types"), so on a TPU (or with a TPU target) it runs on
+    the host, as CPU computes it (found by tools/target_sweep.py). A device lowering without a
+    64-bit convolution, as the 64-bit matrix products have (``linalg._wide_int_matmul``), is the
+    better answer; integer convolutions are rare enough that the host serves for now."""
+    return input.dtype in (torch.int64, torch.uint64)
+
+
+@lower(aten.convolution, meta=_convolution_meta, host_on_tpu=_wide_int)
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     return conv_forward(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
