@@ -15,13 +15,14 @@ SHORT_TESTS := tests/test_device.py tests/test_training.py tests/test_compile.py
 	tests/test_distributed.py tests/test_estimator.py tests/test_ops_fft.py
 # The fused pass leaves out files that test nothing eager mode runs (the source layering, the import
 # hook, the benchmark command, the extension's build, the docs pages, whose examples choose their own
-# mode), files that choose their modes themselves (decode, estimator, spmd, recompile, target), and,
+# mode), files that choose their modes themselves (decode, estimator, estimator_generate, spmd,
+# recompile, target), and,
 # for CI's budget, the compile and export files (a graph's ops are the same programs in both modes)
 # and the distributed ones (each test starts ranks of its own; the estimator's data-parallel tests
 # run their first step in fused mode).
 FUSED_SKIP := tests/test_import_layers.py tests/test_autoload.py tests/test_bench.py tests/test_docs.py \
-	tests/test_extension.py tests/test_decode.py tests/test_estimator.py tests/test_spmd.py \
-	tests/test_recompile.py tests/test_target.py tests/test_compile.py tests/test_compile_cnn.py \
+	tests/test_extension.py tests/test_decode.py tests/test_estimator.py tests/test_estimator_generate.py \
+	tests/test_spmd.py tests/test_recompile.py tests/test_target.py tests/test_compile.py tests/test_compile_cnn.py \
 	tests/test_export.py tests/test_integrations_inductor.py tests/test_distributed.py
 # The suite runs as several pytest processes, not one: every XLA:CPU executable a process loads keeps
 # memory mappings (about 85 per OpInfo test, which compiles several programs), torch_tpu keeps its

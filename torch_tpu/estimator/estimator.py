@@ -1,4 +1,4 @@
-"""TPUEstimator: ``fit``, ``evaluate`` and ``predict`` for a plain ``nn.Module``.
+"""TPUEstimator: ``fit``, ``evaluate``, ``predict`` and ``generate`` for a plain ``nn.Module``.
 
 The estimator is also the device it drives: ``model.to(est)``, ``tensor.to(est)`` and
 ``torch.device(est)`` work because its class defines ``__torch_function__``, which torch consults
@@ -16,7 +16,7 @@ because the last partial batch is padded and its padded rows masked out of the l
 The parts, each in its module: :mod:`.placement` (the mesh, the model and batches on it),
 :mod:`.losses` (which loss, exact on padded batches), :mod:`.step` (the step function and its
 per-bucket runners), :mod:`.replay` (capture and replay), :mod:`.checkpoint` (resume, save,
-Ctrl-C), :mod:`.loop` (the train loop).
+Ctrl-C), :mod:`.loop` (the train loop), :mod:`.generation` (bucketed batch decoding).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch_tpu.estimator.callbacks import Callback, EarlyStopping, as_callbacks
 from torch_tpu.estimator.checkpoint import Checkpointer
 from torch_tpu.estimator.data import batch_size, bucket_for, map_tensors, shapes_of, tensors_in
 from torch_tpu.estimator.execution import Execution
+from torch_tpu.estimator.generation import BatchGenerator
 from torch_tpu.estimator.history import History
 from torch_tpu.estimator.loop import BatchError, FitConfig, TrainLoop
 from torch_tpu.estimator.losses import BatchLoss, Loss, LossConfigError, batch_loss
@@ -121,6 +122,7 @@ class TPUEstimator:
         self.sharding = sharding
         self.stop_training = False
         self.last_predict_stats: dict[str, float] = {}
+        self.last_generate_stats: dict[str, Any] = {}
         self.execution = Execution("fused" if mode == "auto" else mode, precision, replay=mode == "auto")
         self.placement = Placement(chosen, sharding, self.bucket_lengths, self.device)
         if seed is not None:
@@ -347,6 +349,23 @@ class TPUEstimator:
         }
         return _concat(outs)
 
+
+    def generate(self, model: nn.Module, prompts_loader: Iterable, *, max_new_tokens: int,
+                 **generate_kwargs: Any) -> torch.Tensor:
+        """Decodes every batch of ``prompts_loader`` with ``model.generate`` (a transformers causal
+        LM) and returns the new token ids, ``[prompts, max_new_tokens]`` on the CPU, in loader order.
+
+        A batch is a ``[batch, length]`` tensor of token ids, a dict with ``"input_ids"`` (and
+        ``"attention_mask"``), or a tuple ``(ids, mask)``. Prompts are padded on the left to their
+        bucket (``bucket_lengths``; without them each prompt length is its own bucket) and a short
+        last batch to the full batch size, so each bucket compiles its prefill and its decode step
+        once, with a static KV cache of its own (:mod:`torch_tpu.estimator.generation`).
+        ``generate_kwargs`` go to ``generate()`` (``do_sample``, ``temperature``, ``eos_token_id``,
+        ``pad_token_id``, ...). A row that ends early is filled with the pad token id. Figures land in
+        ``est.last_generate_stats``."""
+        self._to_device(model)
+        model.eval()
+        return BatchGenerator(self, model, max_new_tokens, generate_kwargs).run(prompts_loader)
 
 
 # ---------------------------------------------------------------------- helpers
