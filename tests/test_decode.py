@@ -285,3 +285,16 @@ def test_the_decode_bench_jax_mode_is_the_same_llama_with_cpus_tokens(capsys):
                 "same_tokens_as_cpu"} <= set(p)
     with pytest.raises(ValueError, match="fixed shapes"):
         decode.measure("jax", "generate", new=2, prompt_len=2, batch=1)
+
+
+def test_the_decode_bench_reduce_overhead_mode_replays_with_cpus_tokens():
+    """``bench decode --modes reduce-overhead``: the forward under ``torch.compile(mode=
+    "reduce-overhead")`` with the default backend (gpt-fast's form) decodes CPU's tokens on both
+    loops and compiles nothing after its first call."""
+    rows = decode.table(["cpu", "reduce-overhead"], ["static", "generate"], new=6, prompt_len=4, batch=2,
+                        layers=1, hidden=32)
+    by = {(r["loop"], r["mode"]): r for r in rows}
+    for loop in ("static", "generate"):
+        row = by[(loop, "reduce-overhead")]
+        assert torch.equal(row["tokens"], by[(loop, "cpu")]["tokens"]) and row["same_tokens_as_cpu"]
+        assert row["compiles_after_first_call"] == 0

@@ -26,7 +26,10 @@ token with its static cache donated, the prompt fed one position per call; it ru
 
 Modes: ``cpu`` (PyTorch eager), ``fused`` and ``strict`` (eager modes), ``compile``
 (``model.forward = torch.compile(model.forward, backend="tpu")`` in strict mode) and
-``compile-fused`` (the same compiled forward, with generate's own ops outside it in fused mode). Reported per
+``compile-fused`` (the same compiled forward, with generate's own ops outside it in fused mode),
+``reduce-overhead`` (``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, the
+default backend, as gpt-fast writes it: torch hands a tpu graph to the tpu backend, whose every mode
+replays; strict mode outside the forward). Reported per
 mode and loop: tokens/s (new tokens of all sequences per second), host ms per token step (process
 CPU time, every thread: on an accelerator the device work per token is tiny, so this bounds the
 speed), first-token latency (prefill and first token) and programs compiled.
@@ -56,7 +59,7 @@ from torch_tpu.bench.clock import host_ns
 from torch_tpu.runtime import metrics as _metrics
 from torch_tpu.runtime import target as _target
 
-MODES = ("cpu", "fused", "compile", "compile-fused", "strict", "jax")
+MODES = ("cpu", "fused", "compile", "compile-fused", "reduce-overhead", "strict", "jax")
 # decodes per mode: the first gives the first-token latency and the compiles; the last ``TIMED`` the
 # steady speed (their median: a single 32-token call lasts ~50 ms on CPU, short enough for the shared
 # machine's hiccups to move it by half). Two warm-ups, not one: the second call of a fused-mode
@@ -244,6 +247,8 @@ def _measure(mode: str, loop: str, new: int, prompt_len: int, batch: int, layers
         prompt = prompt.to("tpu")
         if mode.startswith("compile"):
             model.forward = torch.compile(model.forward, backend="tpu")
+        elif mode == "reduce-overhead":
+            model.forward = torch.compile(model.forward, mode="reduce-overhead")
         torch_tpu.set_eager_mode("fused" if mode.endswith("fused") else "strict")
     try:
         runs = []
