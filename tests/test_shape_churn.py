@@ -151,3 +151,30 @@ def test_a_churning_line_stays_on_the_host_and_its_results_stay_private():
     assert torch.equal(_extend(small, col).cpu(), _extend(small.cpu(), col.cpu()))
     assert torch_tpu.metrics()["compile_count"] == compiles
     assert torch_tpu.metrics()["host_op_counts"]["aten.cat.default"] == hosted + 1
+
+
+def _append_here(ids, col):
+    return torch.cat([ids, col], dim=-1)  # a line that churns below
+
+
+def _append_there(ids, col):
+    return torch.cat([ids, col], dim=-1)  # another line, at one shape: it compiles
+
+
+def test_a_churning_line_runs_on_the_host_where_another_line_compiled_the_signature():
+    """Programs are per signature, host decisions per line. Once a line churns, a call there whose
+    signature another line compiled (a decoding loop's position ids and its attention mask grow
+    through ``cat``s of the same shapes) runs on the host as the line's other calls do, so a second
+    decoding call takes the first's paths and compiles nothing new downstream."""
+    col = torch.ones(5, 1, dtype=torch.int64, device="tpu") * 2  # computed on the device, 5 rows: no other test's
+    for width in (3, 4, 5, 6):  # the line churns: its calls from the third on run on the host
+        _append_here(torch.zeros(5, width, dtype=torch.int64, device="tpu") + 1, col)
+    base = torch.zeros(5, 9, dtype=torch.int64, device="tpu") + 1  # on the device, not a host result
+    compiles = torch_tpu.metrics()["compile_count"]
+    there = _append_there(base, col)  # compiles cat of [5, 9] and [5, 1] at the other line
+    assert torch_tpu.metrics()["compile_count"] == compiles + 1
+    before = torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0)
+    here = _append_here(base, col)  # that program exists; the churning line runs on the host anyway
+    assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) == before + 1
+    expected = torch.cat([torch.ones(5, 9, dtype=torch.int64), torch.full((5, 1), 2)], -1)
+    assert torch.equal(here.cpu(), expected) and torch.equal(there.cpu(), expected)

@@ -10,6 +10,15 @@ of a bucket have one shape. Their prefill (the padded prompt in one forward) and
 again by the rest. The bucket's ``StaticCache`` is reset between batches, not made again, so the
 decode step reads the same cache tensors every time.
 
+The decode step is a compiled graph in every mode (transformers compiles the forward when the
+cache is static), and the rest runs op by op, whatever the estimator's mode: the prompt's ids and
+mask are uploaded as host values, so ``generate()``'s per-token bookkeeping on them (a column
+appended, positions, stopping checks) runs on the host where its shapes grow
+(:mod:`torch_tpu.dispatch.host_placement`), and a line found to grow in the first batch sends its
+calls to the host in every later one. Op by op, a bucket's later batches then run the programs
+its first batch compiled, or the host; recorded as fused traces, where a trace is cut would follow
+those choices, and the second batch would record (and compile) other traces than the first.
+
 The result is one CPU tensor of token ids, ``[prompts, max_new_tokens]``, in loader order: the new
 tokens only, a row that stopped early (its end-of-sequence token) filled with the pad token id, as
 ``generate()`` fills it.
@@ -28,6 +37,7 @@ from torch import nn
 
 from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.estimator.data import batch_size, bucket_for
+from torch_tpu.runtime.executor import set_eager_mode
 from torch_tpu.tensor import storage as _storage
 from torch_tpu.tensor.transfer import numpy_to_device
 
@@ -150,7 +160,6 @@ class BatchGenerator:
         ids, mask = left_pad(ids, mask, length, rows, self.pad)
         kw = {"pad_token_id": self.pad, **self.kwargs}
         cache = self.cache_for(length, rows)
-        self.est.execution.end_step()  # the reset, a program of its own: every batch's traces start alike
         with self.est.execution.autocast():
             out = self.model.generate(input_ids=_host_result(ids), attention_mask=_host_result(mask),
                                       max_new_tokens=self.max_new, past_key_values=cache, **kw)
@@ -170,7 +179,7 @@ class BatchGenerator:
         bar = _progress(est, total)
         outs: list[torch.Tensor] = []
         t0 = time.perf_counter()
-        with est.execution.eager_mode(), torch.no_grad():
+        with set_eager_mode("strict"), torch.no_grad():  # in every mode: see the module docstring
             for raw in loader:
                 if full is None:
                     full = batch_size(raw)
