@@ -133,6 +133,39 @@ def test_generate_compiles_nothing_between_the_8th_and_32nd_token(model, how):
     assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) > 0
 
 
+def test_after_a_short_warm_up_a_long_generate_compiles_nothing_in_strict_mode(model):
+    """A static cache of a fixed size, made whole before the first call and reset between calls: a
+    4-token call, then a 32-token one that compiles nothing. Its first tokens take the warm-up's
+    paths: a line whose shapes were found to grow runs on the host also where another line compiled
+    the call's signature (positions and the mask grow through cats of the same shapes). Greedy
+    tokens are CPU's. (Fused mode still records other traces in the long call: docs/inference.md.)"""
+    from transformers import StaticCache
+
+    prompt = _prompt(batch=2, length=8)
+    m = _on_tpu(model, compiled=False)
+    cfg = m.config
+    cache = StaticCache(config=cfg, max_cache_len=48)
+    cache.early_initialization(2, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, torch.float32,
+                               torch.device("tpu"))
+    previous = torch_tpu.get_eager_mode()
+    torch_tpu.set_eager_mode("strict")
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            counts = []
+            for n in (4, 32):
+                cache.reset()
+                counts.append(torch_tpu.metrics()["compile_count"])
+                got = m.generate(prompt.to("tpu"), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0, past_key_values=cache)
+                counts.append(torch_tpu.metrics()["compile_count"])
+            expected = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    finally:
+        torch_tpu.set_eager_mode(previous)
+    assert counts[3] - counts[2] == 0, counts
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_sampling_generate_with_logits_processors_stays_bounded(model):
     """Sampling with temperature and top-k and a seeded generator: bounded too, and every token is
     one of the 5 CPU scores highest at its position."""
