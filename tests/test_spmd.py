@@ -185,6 +185,57 @@ def check_mixing_and_views() -> None:
         raise AssertionError("an uneven split did not raise")
 
 
+def _shard_llama(model: nn.Module, mesh) -> None:
+    """Tensor parallelism by name: the attention projections split by heads and the MLP's up and
+    gate by hidden features (their weights' rows), their output projections along the contracted
+    dim (columns), where XLA adds the reduction; everything else replicated."""
+    rows = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    for name, p in model.named_parameters():
+        if name.endswith(rows):
+            td.shard(p, mesh, ("model", None))
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            td.shard(p, mesh, (None, "model"))
+        else:
+            td.replicate(p, mesh)
+    for b in model.buffers():
+        td.replicate(b, mesh)
+
+
+def check_tensor_parallel_decoding() -> None:
+    """A transformers Llama sharded over 4 devices (``_shard_llama``) decodes greedily with XLA's
+    collectives: CPU's tokens with a static cache (strict and fused mode) and a dynamic one; the
+    MLP's hidden activations are split over the 4 devices, and an output projection's result,
+    summed over them, is whole on each."""
+    try:
+        from torch_tpu.bench.decode import tiny_llama
+    except ImportError:  # transformers is a test dependency; the pytest side skips without it
+        return
+    import jax
+
+    mesh = td.mesh(4, "model", devices=jax.devices()[:4])
+    cpu_model = tiny_llama(layers=2, hidden=64)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    model = tiny_llama(layers=2, hidden=64)
+    model.load_state_dict(cpu_model.state_dict())
+    model = model.to("tpu")
+    _shard_llama(model, mesh)
+    ids = td.replicate(prompt.to("tpu"), mesh)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = cpu_model.generate(prompt, **kw)
+        for mode, cache in (("strict", "static"), ("fused", "static"), ("strict", None)):
+            with torch_tpu.set_eager_mode(mode):
+                got = model.generate(ids, cache_implementation=cache, **kw)
+            assert torch.equal(got.cpu(), expected), (mode, cache, got.cpu(), expected)
+        mlp = model.model.layers[0].mlp
+        x = td.replicate(torch.randn(2, 3, 64).to("tpu"), mesh)
+        hidden = mlp.up_proj(x)
+        assert td.sharding_of(hidden).shard_shape((2, 3, 128)) == (2, 3, 32), td.sharding_of(hidden)
+        out = mlp(x)
+        assert len(td.sharding_of(out).device_set) == 4 and td.sharding_of(out).is_fully_replicated
+        torch.testing.assert_close(out.cpu(), cpu_model.model.layers[0].mlp(x.cpu()), rtol=1e-5, atol=1e-5)
+
+
 CHECKS = [name for name in list(globals()) if name.startswith("check_")]
 
 
@@ -254,6 +305,11 @@ def test_compile_on_sharded_inputs(results):
 
 def test_mixing_plain_and_sharded_tensors_and_views(results):
     _passed(results, "check_mixing_and_views")
+
+
+def test_tensor_parallel_decoding_gives_cpus_tokens(results):
+    pytest.importorskip("transformers")
+    _passed(results, "check_tensor_parallel_decoding")
 
 
 # ------------------------------------------------------------------ argument checks (one device here)
