@@ -331,3 +331,14 @@ def test_the_decode_bench_reduce_overhead_mode_replays_with_cpus_tokens():
         row = by[(loop, "reduce-overhead")]
         assert torch.equal(row["tokens"], by[(loop, "cpu")]["tokens"]) and row["same_tokens_as_cpu"]
         assert row["compiles_after_first_call"] == 0
+
+
+def test_the_llama_1b_config_has_llama_3_2_1b_s_shapes():
+    """``bench decode --model llama-1b``: Llama-3.2-1B's sizes (built on the meta device here: its
+    5 GB of random weights are the bench's to make), its 1,235,814,400 parameters, tied head."""
+    with torch.device("meta"):
+        m = decode.llama_1b()
+    assert sum(p.numel() for p in m.parameters()) == 1_235_814_400
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    c = m.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (16, 2048, 32, 8)

@@ -399,6 +399,8 @@ def main() -> None:
     g.add_argument("--target", default=None,
                    help="a TPU chip (v4, v5e, v5p, v6e) or topology: each tpu row gains its projected tokens/s there")
     g.add_argument("--json", action="store_true", help="also print each row as one JSON object")
+    g.add_argument("--model", default="tiny", choices=["tiny", "llama-1b"],
+                   help="tiny: 2 layers, d=128; llama-1b: Llama-3.2-1B's shapes, random weights (5 GB)")
     g.add_argument("--rounds", type=int, default=1,
                    help="measure each mode this many times, each beside a CPU run; report the median ratio")
     a = p.parse_args()
@@ -413,7 +415,7 @@ def main() -> None:
             torch.set_num_threads(a.threads)
         print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
         decode.table(a.modes.split(","), a.loops.split(","), rounds=a.rounds, new=a.new, prompt_len=a.prompt,
-                     batch=a.batch, target=a.target, json_rows=a.json)
+                     batch=a.batch, target=a.target, json_rows=a.json, model=a.model)
     if a.cmd == "estimator":
         _estimator_table(a.workload, a.mode, a.steps, [int(n) for n in a.devices.split(",")])
     if a.cmd == "train":

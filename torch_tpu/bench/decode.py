@@ -81,6 +81,26 @@ def tiny_llama(layers: int = 2, hidden: int = 128, vocab: int = 256, seed: int =
     return LlamaForCausalLM(config).eval()
 
 
+def llama_1b(seed: int = 0) -> Any:
+    """A Llama shaped as Llama-3.2-1B (its sizes: 16 layers, d=2048, 32 heads over 8 key-value
+    heads, an 8192-wide MLP, a 128,256-token vocabulary tied to the embedding, rope_theta 500,000),
+    with random weights (no download) and the default rotary embedding, not the release's "llama3"
+    frequency scaling: the projection needs its shapes, not its outputs. 1.24 billion parameters,
+    5 GB in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+MODELS = {"tiny": None, "llama-1b": llama_1b}
+
+
 def static_decode(model: Any, prompt: torch.Tensor, new_tokens: int, on_token: Any = None,
                   logits_processor: Any = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Decoding with fixed shapes: greedy by default, the same tokens as ``generate(do_sample=False)``.
@@ -208,23 +228,26 @@ def _run(model: Any, loop: str, prompt: torch.Tensor, new: int, clock: _Clock) -
 
 
 def measure(mode: str, loop: str = "generate", new: int = 32, prompt_len: int = 16, batch: int = 4,
-            layers: int = 2, hidden: int = 128, target: str | None = None) -> dict:
+            layers: int = 2, hidden: int = 128, target: str | None = None, model: str = "tiny") -> dict:
     """One mode and loop: two decodes from the same prompt (see the module docstring). ``target``
     (a TPU chip, tpu modes and the export loop): every program of the run is also compiled for it,
     and the row gains a ``"target"`` object projecting the timed calls' tokens on that chip."""
     if target is None or mode == "cpu":
-        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, None)
+        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, None, model)
     with torch_tpu.set_target(target):
-        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, target)
+        return _measure(mode, loop, new, prompt_len, batch, layers, hidden, target, model)
 
 
 def _measure(mode: str, loop: str, new: int, prompt_len: int, batch: int, layers: int, hidden: int,
-             target: str | None) -> dict:
+             target: str | None, model_name: str = "tiny") -> dict:
     # each mode compiles a fresh model: without a reset, Dynamo keeps every earlier mode's entries
     # for the same forward code, checks their guards at each call, and past its recompile limit runs
     # the forward eagerly, so a mode's figure would depend on the modes measured before it
     torch._dynamo.reset()
-    model = tiny_llama(layers, hidden)
+    if model_name not in MODELS:
+        raise ValueError(f"model {model_name!r}: expected one of {', '.join(MODELS)}")
+    make = MODELS[model_name]
+    model = tiny_llama(layers, hidden) if make is None else make()
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     if loop == "export":
         if mode not in ("cpu", "export"):

@@ -8,7 +8,7 @@ loop does, so prefill and decode are one program. Greedy decoding: CPU PyTorch's
 
 The arithmetic follows transformers' Llama in float32: RMSNorm in float32, rotary embeddings from
 ``rope_theta`` (the default rope type), grouped-query attention over the cache positions up to
-the current one, a SiLU-gated MLP, an untied ``lm_head``.
+the current one, a SiLU-gated MLP, an ``lm_head`` of its own or tied to the embedding.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class Decoder:
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"the JAX decode ceiling has the default rotary embedding only, not "
                                       f"{rope.get('rope_type')!r}")
-        if c.tie_word_embeddings or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-            raise NotImplementedError("the JAX decode ceiling has an untied lm_head and no attention or MLP bias")
+        if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+            raise NotImplementedError("the JAX decode ceiling has no attention or MLP bias")
         self.layers, self.heads, self.kv_heads = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
@@ -86,7 +86,8 @@ class Decoder:
             h = self._rms(x, w[p + "post_attention_layernorm.weight"])
             gate = jax.nn.silu(h @ w[p + "mlp.gate_proj.weight"].T)
             x = x + (gate * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-        logits = self._rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+        head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]  # tied
+        logits = self._rms(x, w["model.norm.weight"]) @ head.T
         return jnp.argmax(logits, axis=-1).astype(token.dtype), ck, cv
 
     def decode(self, prompt: torch.Tensor, new_tokens: int,
