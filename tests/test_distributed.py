@@ -485,15 +485,18 @@ def _train_on(model: torch.nn.Module, opt: torch.optim.Optimizer, xs, ys) -> Non
 
 
 def test_dead_and_hung_ranks_fail_fast_naming_them(tmp_path):
+    # the parent's deadline covers three ranks starting Python, torch and JAX, which on a loaded
+    # 2-core machine (CI runs four pytest processes at once) took past 40 s; the failing fast is
+    # rank 0's own measure below (its group's timeout is 4 s)
     t0 = time.monotonic()
-    res = _launch("fault", 3, tmp_path, timeout_s=40.0, wait_for=[0])
+    res = _launch("fault", 3, tmp_path, timeout_s=120.0, wait_for=[0])
     err = res[0]["error"]
     assert err is not None and err.startswith("DistBackendError"), err
     assert "failed on rank 0" in err, err
     assert "[2] stopped responding" in err, err
     assert "[1] never reached" in err, err
     assert res[0]["seconds"] < 10, res[0]
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < 120
 
 
 _TORCHRUN_SCRIPT = r"""
