@@ -225,6 +225,13 @@ def _to_host(a: Any) -> Any:
 _PLAIN = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
+def host_result(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor uploaded as if a host op had computed it (a private copy, its host copy kept):
+    ops whose inputs are all such results run on the host. ``TPUEstimator.generate`` uploads the
+    prompts this way, so ``generate()``'s bookkeeping on them starts on the host."""
+    return _upload(t.detach().clone().contiguous())
+
+
 def _upload(x: Any) -> Any:
     """A result of the host op as a tpu tensor. Its CPU tensor is fresh and dropped here, and every
     input it could alias is a private copy (``_host_value``), so its memory becomes the upload's

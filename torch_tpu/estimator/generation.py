@@ -31,15 +31,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.dispatch.host_placement import host_result
 from torch_tpu.estimator.data import batch_size, bucket_for
 from torch_tpu.runtime.executor import set_eager_mode
-from torch_tpu.tensor import storage as _storage
-from torch_tpu.tensor.transfer import numpy_to_device
 
 # the estimator's type, named rather than imported: estimator.py imports this module
 TPUEstimator = Any
@@ -161,7 +158,7 @@ class BatchGenerator:
         kw = {"pad_token_id": self.pad, **self.kwargs}
         cache = self.cache_for(length, rows)
         with self.est.execution.autocast():
-            out = self.model.generate(input_ids=_host_result(ids), attention_mask=_host_result(mask),
+            out = self.model.generate(input_ids=host_result(ids), attention_mask=host_result(mask),
                                       max_new_tokens=self.max_new, past_key_values=cache, **kw)
         if isinstance(out, torch.Tensor):
             seqs = out
@@ -199,17 +196,6 @@ class BatchGenerator:
             "tokens_per_s": result.numel() / seconds if seconds > 0 else float("nan"),
         }
         return result
-
-
-def _host_result(t: torch.Tensor) -> torch.Tensor:
-    """``t`` uploaded as a host op's result (:mod:`torch_tpu.dispatch.host_placement`): the
-    bookkeeping ``generate()`` runs on the prompt's ids and mask (a column appended per token, the
-    positions, the stopping checks) then runs on the host from the first token of the first batch,
-    reading no device memory and compiling nothing, so every batch of a bucket runs the programs
-    its first one compiled. The model's forward, whose weights are on the device, runs there."""
-    data = np.array(_dtypes.cpu_to_numpy(t), copy=True)
-    whole = _dtypes.numpy_to_cpu(data, t.dtype)
-    return _storage.new_tensor(tuple(t.shape), t.dtype, numpy_to_device(data, whole, host_result=True))
 
 
 def _progress(est: TPUEstimator, total: int | None) -> Any:
