@@ -9,6 +9,7 @@ one world because starting a process (torch + jax) costs seconds.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import pickle
 import socket
@@ -382,7 +383,21 @@ def _fsdp(rank: int, n: int, port: int, timeout_s: float) -> dict:
     return r
 
 
-_SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault, "dtensor": _dtensor, "fsdp": _fsdp}
+def _fsdp_on_a_target(rank: int, n: int, port: int, timeout_s: float) -> dict:
+    """Two FSDP2 steps with a TPU target set after the group (whose XLA collectives start JAX's
+    distributed runtime first): each rank's report, with the collectives compiled over n chips."""
+    import torch_tpu
+
+    _init(rank, n, port)
+    with torch_tpu.set_target("v5e"):
+        model, _, _ = _fsdp_train("default_mesh", "tpu", rank, n)
+        state = _full_state(model)
+        r = torch_tpu.target_report()
+    return {"state": state, "failed": r["failures"], "per_program": r["per_program"]}
+
+
+_SCENARIOS = {"collectives": _collectives, "ddp": _ddp, "fault": _fault, "dtensor": _dtensor, "fsdp": _fsdp,
+              "fsdp_target": _fsdp_on_a_target}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -475,6 +490,25 @@ def test_fsdp2_fully_shard_matches_single_process_and_checkpoints(tmp_path):
                 torch.testing.assert_close(got["state"][k], v, **tol, msg=lambda m, w=where: f"{w}: {m}")
         assert not r["dcp_before"]
         assert r["dcp_local_equal"] and r["dcp_optim_equal"] and r["dcp_after_step"], r
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("libtpu"), reason="a TPU target needs libtpu (pip install libtpu)")
+def test_fsdp2_step_compiles_for_a_tpu_target_with_its_collectives_over_the_ranks_chips(tmp_path):
+    """FSDP2 over 2 processes with a TPU target: each rank's programs compile for v5e, its all-gathers
+    and reduce-scatters (XLA collectives) over 2 chips of the slice, the rest on one; the weights are
+    CPU's, as without a target."""
+    res = _launch("fsdp_target", 2, tmp_path, timeout_s=240.0)
+    model = _blocks_model()
+    _train_on(model, _optimizer("sgd", model.parameters()), *_seq_data())
+    for rank, r in res.items():
+        assert not r["failed"], r["failed"]
+        collectives = [p for p in r["per_program"] if p["kind"] == "collective"]
+        names = {p["program"] for p in collectives}
+        assert any("allgather" in p for p in names) and any("reduce_scatter" in p for p in names), names
+        assert {p["chips"] for p in collectives} == {2}, collectives
+        assert {p["chips"] for p in r["per_program"] if p["kind"] != "collective"} == {1}
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
 
 
 def _train_on(model: torch.nn.Module, opt: torch.optim.Optimizer, xs, ys) -> None:

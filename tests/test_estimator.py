@@ -393,6 +393,36 @@ def test_data_parallel_equals_one_device(n, sharding, mode):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+_FSDP_STATE_SCRIPT = r"""
+import copy, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch_tpu.estimator import TPUEstimator
+g = torch.Generator().manual_seed(1)
+x = torch.randn(256, 64, generator=g); y = (x[:, 0] > 0).long()
+torch.manual_seed(0)
+m8 = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 2)); m1 = copy.deepcopy(m8)
+loader = DataLoader(TensorDataset(x, y), batch_size=64)
+h8 = TPUEstimator(verbose=False, sharding="fsdp").fit(m8, loader, epochs=1)
+h1 = TPUEstimator(devices=1, verbose=False).fit(m1, loader, epochs=1)
+torch.testing.assert_close(torch.tensor(h8.loss), torch.tensor(h1.loss), rtol=1e-4, atol=0)
+print("ok")
+"""
+
+
+def test_fsdp_replays_a_state_that_xla_would_split_otherwise():
+    """The last layer's [2, 256] weight does not split over 8 devices and stays replicated, but XLA
+    chose to split its AdamW moments along dim 1 in the step's outputs: the replayed step must keep
+    each state in the layout it was captured with (it failed at the second batch before)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _FSDP_STATE_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------- variable-length sequences
 def test_variable_length_sequences_are_bucketed():
     class PerToken(nn.Module):  # a position-wise language model: right padding cannot leak

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -236,6 +237,84 @@ def check_tensor_parallel_decoding() -> None:
         torch.testing.assert_close(out.cpu(), cpu_model.model.layers[0].mlp(x.cpu()), rtol=1e-5, atol=1e-5)
 
 
+def check_sharded_programs_compile_for_a_slice() -> None:
+    """With a multi-chip TPU target, each program on sharded inputs is compiled partitioned over
+    as many of the slice's chips as it spans here, with XLA:TPU's figures per chip: a fused
+    data-parallel step over 8 devices, the Estimator's replayed step with ``dp`` and ``fsdp`` (whose
+    parameters and optimizer state take less memory per chip), and tensor-parallel decoding over 4
+    devices (CPU's tokens). A program over more devices than the topology has chips is a failure
+    that says so. Needs libtpu (the pytest side skips without it)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torch_tpu.estimator import TPUEstimator
+    from torch_tpu.runtime import target
+
+    if not target.available():
+        return
+    mesh = td.mesh((N_DEVICES,), ("data",))
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+
+    def fused_dp_step() -> None:
+        net = _mlp().to("tpu")
+        td.replicate_module(net, mesh)
+        with torch_tpu.set_eager_mode("fused"):
+            _sgd_step(net, td.shard(x.to("tpu"), mesh, ("data", None)),
+                      td.shard(y.to("tpu"), mesh, ("data", None)))[0].item()
+
+    with torch_tpu.set_target("v5e:2x4"):
+        fused_dp_step()
+        r = torch_tpu.target_report()
+        assert r["programs"]["failed"] == 0 and r["per_program"], str(r)
+        assert {p["chips"] for p in r["per_program"]} == {N_DEVICES}, str(r)
+        assert f"per chip of {N_DEVICES}" in str(r), str(r)
+
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(256, 64, generator=g), torch.randint(0, 2, (256,), generator=g))
+        per_chip = {}
+        for sharding in ("dp", "fsdp"):
+            target.reset()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 2))
+            TPUEstimator(verbose=False, sharding=sharding).fit(model, DataLoader(data, batch_size=64), epochs=1)
+            r = torch_tpu.target_report()
+            graphs = [p for p in r["per_program"] if p["kind"] == "graph"]
+            assert r["programs"]["failed"] == 0 and graphs, str(r)
+            assert all(p["chips"] == N_DEVICES for p in graphs), str(r)
+            per_chip[sharding] = max(p["argument_bytes"] for p in graphs)
+        # the first layer's weight, bias and AdamW moments split 8 ways
+        assert per_chip["fsdp"] < per_chip["dp"] / 2, per_chip
+
+    try:
+        from torch_tpu.bench.decode import tiny_llama
+    except ImportError:  # transformers is a test dependency
+        return
+    import jax
+
+    four = td.mesh(4, "model", devices=jax.devices()[:4])
+    cpu_model = tiny_llama(layers=2, hidden=64)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch_tpu.set_target("v5e:2x4"):
+        model = tiny_llama(layers=2, hidden=64)
+        model.load_state_dict(cpu_model.state_dict())
+        model = model.to("tpu")
+        _shard_llama(model, four)
+        with torch.no_grad(), torch_tpu.set_eager_mode("fused"):
+            got = model.generate(td.replicate(prompt.to("tpu"), four), **kw)
+            assert torch.equal(got.cpu(), cpu_model.generate(prompt, **kw)), got
+        r = torch_tpu.target_report()
+        assert r["programs"]["failed"] == 0, str(r)
+        assert 4 in {p["chips"] for p in r["per_program"]}, str(r)
+
+    with torch_tpu.set_target("v5e"), warnings.catch_warnings(record=True) as caught:  # 2x2: 4 chips
+        warnings.simplefilter("always")
+        fused_dp_step()
+        r = torch_tpu.target_report()
+    assert r["programs"]["failed"] and all("sharded over 8 devices" in f["error"] and "4 chips" in f["error"]
+                                           for f in r["failures"]), str(r)
+    assert any("sharded over 8 devices" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 CHECKS = [name for name in list(globals()) if name.startswith("check_")]
 
 
@@ -310,6 +389,14 @@ def test_mixing_plain_and_sharded_tensors_and_views(results):
 def test_tensor_parallel_decoding_gives_cpus_tokens(results):
     pytest.importorskip("transformers")
     _passed(results, "check_tensor_parallel_decoding")
+
+
+def test_sharded_programs_compile_for_a_tpu_slice(results):
+    from torch_tpu.runtime import target
+
+    if not target.available():
+        pytest.skip("a TPU target needs libtpu (pip install libtpu)")
+    _passed(results, "check_sharded_programs_compile_for_a_slice")
 
 
 # ------------------------------------------------------------------ argument checks (one device here)

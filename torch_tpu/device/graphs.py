@@ -34,6 +34,7 @@ import operator
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -164,6 +165,21 @@ def _constant_key(w: tuple) -> tuple:
 
 def _arg_key(x: Any) -> tuple:
     return (tuple(np.shape(x)), str(x.dtype), getattr(x, "sharding", None))
+
+
+def _kept_layouts(outputs: list, inputs: list, args: list, storages_of: Callable[[Any], Any]) -> list | None:
+    """Per output, the layout of the sharded input whose storage it writes back (None: XLA's
+    choice), or None where no input spans several devices. The executable takes its inputs in the
+    layouts they had at capture, and a replay feeds it the last replay's outputs: a state XLA chose
+    to split otherwise (an optimizer moment beside a batch-split activation) would no longer fit."""
+    sharded = {}
+    for p, st in inputs:
+        layout = getattr(args[p], "sharding", None)
+        if layout is not None and len(layout.device_set) > 1:
+            sharded[id(st)] = layout
+    if not sharded:
+        return None
+    return [next((sharded[id(st)] for st in storages_of(o) if id(st) in sharded), None) for o in outputs]
 
 
 def is_current_stream_capturing() -> bool:
@@ -343,7 +359,10 @@ class TPUGraph:
         if compiled is None:
             residency.before_compile()  # may drop the other programs; captured graphs keep theirs
             try:
-                compiled = jax.jit(replay, donate_argnums=tuple(donate)).lower(*args).compile()
+                layouts = _kept_layouts(outputs, inputs, args, lambda o: out_storages.get(id(lazy_at[o]), ()))
+                jitted = (jax.jit(replay, donate_argnums=tuple(donate)) if layouts is None
+                          else jax.jit(replay, donate_argnums=tuple(donate), out_shardings=layouts))
+                compiled = jitted.lower(*args).compile()
             except Exception as e:
                 raise cache._trace_error(e, tuple(key), sites) from e
             if len(_executables) >= _KEEP_EXECUTABLES:

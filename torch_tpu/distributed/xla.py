@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from torch_tpu.runtime import fused, target
+
 _COORDINATOR_KEY = "torch_tpu/jax_coordinator"
 _state: dict[str, Any] = {"mesh": None}
 
@@ -67,8 +69,12 @@ def start(store: dist.Store, rank: int, size: int) -> str | None:
 
 
 @functools.cache
-def _program(kind: str, shape: tuple, dtype: Any, arg: Any) -> Any:
-    """The jitted collective ``kind`` on a (ranks, *shape) global array sharded over the ranks."""
+def _program(kind: str, shape: tuple, dtype: Any, arg: Any, chip: Any) -> Any:
+    """The jitted collective ``kind`` on a (ranks, *shape) global array sharded over the ranks.
+
+    Written over the mesh's abstract shape, so that with a TPU target (``chip``, part of the cache's
+    key) the same program also compiles for as many chips of the target's slice as there are
+    ranks, and is reported with the rank's other programs."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -106,7 +112,16 @@ def _program(kind: str, shape: tuple, dtype: Any, arg: Any) -> Any:
         raise NotImplementedError(f"torch_tpu c10d: XLA collective {kind}({arg})")
 
     spec = P("rank")
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    jitted = jax.jit(jax.shard_map(body, mesh=mesh.abstract_mesh, in_specs=spec, out_specs=spec))
+    if chip is None:
+        return jitted
+    name = f"c10d {kind}" + (f"({arg})" if arg is not None else "") + f" over {n} ranks"
+    return target.watch(jitted, kind="collective", name=name, fn=jitted, ops=[name], site=_user_line)
+
+
+def _user_line() -> str | None:
+    site = fused.user_site()
+    return f"{site[0]}:{site[1]}" if site else None
 
 
 def run(kind: str, local: Any, arg: Any = None) -> Any:
@@ -122,7 +137,7 @@ def run(kind: str, local: Any, arg: Any = None) -> Any:
     block = jax.device_put(local[None], mine)
     sharding = NamedSharding(mesh, P("rank"))
     global_array = jax.make_array_from_single_device_arrays((n, *local.shape), sharding, [block])
-    out = _program(kind, tuple(local.shape), str(local.dtype), arg)(global_array)
+    out = _program(kind, tuple(local.shape), str(local.dtype), arg, target.current())(global_array)
     return out.addressable_shards[0].data[0]
 
 

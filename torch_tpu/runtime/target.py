@@ -82,6 +82,7 @@ class Result:
     blamed: list[str] = dataclasses.field(default_factory=list)  # of a failed trace: the ops that fail alone
     cost: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
+    chips: int = 1  # the chips an SPMD program is partitioned over; its figures are per chip
     future: Any = None
 
     def device_seconds(self, chip: Chip) -> tuple[float, str]:
@@ -98,7 +99,8 @@ def roofline(flops: float, bytes_accessed: float, chip: Chip) -> float:
 
 
 class Target:
-    """A chip and a topology, with the one-chip sharding programs are compiled for."""
+    """A chip and a topology, with the one-chip sharding programs are compiled for, and the slice's
+    chips that a program sharded over several local devices is placed on."""
 
     def __init__(self, spec: str) -> None:
         spec = spec.strip().lower()
@@ -109,6 +111,7 @@ class Target:
         self.chip = CHIPS[chip_name]
         self.topology = spec if shape else self.chip.topology
         self._on_chip: Any = None
+        self.devices: list = []  # the topology's chips, in JAX's order
 
     def on_chip(self) -> Any:
         if self._on_chip is None:
@@ -123,11 +126,80 @@ class Target:
                                    f"({type(e).__name__}: {e}); it needs libtpu (pip install libtpu)") from e
             _client_loaded[0] = True
             _keep_tpu_executables_out_of_the_persistent_cache()
-            self._on_chip = NamedSharding(Mesh(np.array(topo.devices[:1]), ("chip",)), PartitionSpec())
+            self.devices = list(topo.devices)
+            self._on_chip = NamedSharding(Mesh(np.array(self.devices[:1]), ("chip",)), PartitionSpec())
         return self._on_chip
+
+    def place(self, specs: list) -> tuple[list, int]:
+        """``specs`` (the program's inputs as shape structs, a sharded one with its local sharding)
+        placed on the target, and the number of chips the program spans.
+
+        With no input spread over several local devices, every input goes on one chip. Otherwise the
+        local devices the inputs span map, in their local order, onto the topology's first chips,
+        each sharding keeps its mesh's shape, axis names and partition spec there, and an input on
+        one device is left for XLA to place (as jit does with an uncommitted array beside sharded
+        ones). A program over more devices than the topology has chips raises, naming both."""
+        sharded = [s for s in _leaves(specs) if isinstance(s, jax.ShapeDtypeStruct) and s.sharding is not None]
+        if not sharded:
+            one = self.on_chip()
+            return _map_leaves(specs, lambda x: _spec(x, one)), 1
+        self.on_chip()
+        local = {d: i for i, d in enumerate(jax.devices())}
+        spanned = sorted({d for s in sharded for d in s.sharding.device_set}, key=lambda d: local.get(d, d.id))
+        if len(spanned) > len(self.devices):
+            raise ValueError(f"the program is sharded over {len(spanned)} devices, and the target topology "
+                             f"{self.topology} has {len(self.devices)} chips: set a larger one "
+                             f"(TORCH_TPU_TARGET={self.chip.name}:2x4, for example)")
+        chip_of = {d: self.devices[i] for i, d in enumerate(spanned)}
+
+        def placed(x: Any) -> Any:
+            if not isinstance(x, jax.ShapeDtypeStruct) or x.sharding is None:
+                return _spec(x, None)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
+                                        sharding=_moved(x.sharding, chip_of, len(x.shape)))
+
+        return _map_leaves(specs, placed), len(spanned)
 
     def __repr__(self) -> str:
         return f"Target({self.topology})"
+
+
+def _moved(sharding: Any, chip_of: dict, ndim: int) -> Any:
+    """A local multi-device sharding re-made over the chips ``chip_of`` maps its devices to."""
+    from jax.sharding import Mesh, NamedSharding
+
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        chips = np.vectorize(chip_of.__getitem__, otypes=[object])(mesh.devices)
+        return NamedSharding(Mesh(chips, mesh.axis_names, axis_types=mesh.axis_types), sharding.spec,
+                             memory_kind=None)
+    from jax._src.sharding_impls import GSPMDSharding  # the other shardings jit's outputs carry
+
+    return GSPMDSharding([chip_of[d] for d in sharding._device_assignment], sharding._to_xla_hlo_sharding(ndim))
+
+
+def _leaves(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [leaf for y in x for leaf in _leaves(y)]
+    if isinstance(x, dict):
+        return [leaf for y in x.values() for leaf in _leaves(y)]
+    return [x]
+
+
+def _map_leaves(x: Any, f: Callable[[Any], Any]) -> Any:
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_leaves(y, f) for y in x)
+    if isinstance(x, dict):
+        return {k: _map_leaves(v, f) for k, v in x.items()}
+    return f(x)
+
+
+def _local_spec(x: Any) -> Any:
+    """An input as a shape struct, carrying its sharding where it spans several local devices."""
+    sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+    if sharding is not None and len(sharding.device_set) < 2:
+        sharding = None
+    return _spec(x, sharding)
 
 
 _client_loaded = [False]  # libtpu's compile-only client was made in this process (see runtime.profiler)
@@ -225,15 +297,21 @@ def _spec(x: Any, sharding: Any) -> Any:
 
 
 def _signature(args: tuple) -> tuple:
-    return tuple((x.shape, str(x.dtype)) if hasattr(x, "shape") else type(x) for x in args)
+    """Shapes and dtypes, and the layout of an input spread over several devices: a program run on
+    sharded inputs is another program for the target than the same one on whole arrays."""
+    return tuple((x.shape, str(x.dtype), None if isinstance(getattr(x, "sharding", None), _one_device)
+                  else getattr(x, "sharding", None)) if hasattr(x, "shape") else type(x) for x in args)
+
+
+_one_device = jax.sharding.SingleDeviceSharding
 
 
 def _compile(target: Target, result: Result, fn: Callable, specs: list, donate: tuple,
              parts: Callable[[list], list[tuple[str, Callable, list]]] | None) -> None:
     """The worker's job: lower and compile ``fn`` for the target chip, and keep its analyses."""
-    sharding = target.on_chip()
     try:
-        lowered = jax.jit(fn, donate_argnums=donate).lower(*[_spec(a, sharding) for a in specs])
+        placed, result.chips = target.place(specs)
+        lowered = jax.jit(fn, donate_argnums=donate).lower(*placed)
         path = _analysis_path(target, lowered)
         if path is not None and path.exists():  # compiled by an earlier process
             known = json.loads(path.read_text())
@@ -253,7 +331,7 @@ def _compile(target: Target, result: Result, fn: Callable, specs: list, donate: 
         if parts is not None:  # a trace of several ops: which of them fail on their own
             for op_name, op_fn, op_args in parts(specs):
                 try:
-                    jax.jit(op_fn).lower(*[_spec(a, sharding) for a in op_args]).compile()
+                    jax.jit(op_fn).lower(*target.place(op_args)[0]).compile()
                 except Exception:  # noqa: BLE001
                     if op_name not in result.blamed:
                         result.blamed.append(op_name)
@@ -331,7 +409,7 @@ def _submit(result: Result, fn: Callable, args: tuple, donate: tuple, parts: Cal
     global _pool
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_tpu-target")
-    specs = [_spec(a, None) for a in args]  # now: a donated input is gone by the time the worker runs
+    specs = _map_leaves(list(args), _local_spec)  # now: a donated input is gone by the time the worker runs
     result.future = _pool.submit(_compile, _target, result, fn, specs, donate, parts)
     if _strict:
         result.future.result()
@@ -447,14 +525,16 @@ class TargetReport(dict):
                 f"per step ({s['steps']} measured): device {s['device_ms_per_step']:.3f} ms ({s['device_ms_source']}), "
                 f"host {s['host_ms_per_step']:.3f} ms here -> {s['projected_steps_per_s']:.1f} steps/s, "
                 f"MFU {s['projected_mfu']:.1%}, {s['bound']}-bound; peak HBM {s['peak_hbm_bytes'] / 2**20:.1f} MiB "
-                f"({s['peak_hbm_share']:.1%} of {self['chip']}'s)")
+                f"{f'per chip of {n} ' if (n := s.get('chips', 1)) > 1 else ''}({s['peak_hbm_share']:.1%} of "
+                f"{self['chip']}'s)")
         top = sorted(self["per_program"], key=lambda p: -p["device_ms"] * max(p["calls"], 1))[:10]
         if top:
             lines.append("programs (by projected device time, all calls):")
             for p in top:
                 lines.append(f"  {p['calls']:6d} x {p['device_ms']:.4f} ms ({p['device_ms_source']}) "
                              f"{p['flops']:.3g} flops, {p['bytes_accessed']:.3g} B, "
-                             f"peak {p['peak_bytes'] / 2**20:.2f} MiB  {p['program'][:90]}")
+                             f"peak {p['peak_bytes'] / 2**20:.2f} MiB"
+                             f"{f' per chip of {c}' if (c := p['chips']) > 1 else ''}  {p['program'][:90]}")
         return "\n".join(lines)
 
 
@@ -481,7 +561,7 @@ def report(wait: bool = True) -> TargetReport:
         seconds, source = r.device_seconds(chip)
         peak = r.memory.get("peak", 0)
         per_program.append({
-            "program": r.name, "kind": r.kind, "calls": r.calls, "device_ms": seconds * 1e3,
+            "program": r.name, "kind": r.kind, "chips": r.chips, "calls": r.calls, "device_ms": seconds * 1e3,
             "device_ms_source": source, "flops": r.cost.get("flops", 0.0),
             "bytes_accessed": r.cost.get("bytes accessed", 0.0), "transcendentals": r.cost.get("transcendentals", 0.0),
             "xla_ms": r.cost["optimal_seconds"] * 1e3 if r.cost.get("optimal_seconds", -1) > 0 else None,
@@ -525,7 +605,7 @@ def since(snap: dict[int, int], steps: int, host_s: float) -> dict:
 def _project_calls(results: list[Result], calls: dict[int, int], steps: int, host_s: float, chip: Chip) -> dict:
     device = flops = 0.0
     sources = set()
-    peak = 0
+    peak, chips = 0, 1
     for i, n in calls.items():
         r = results[i]
         if not r.ok:
@@ -535,9 +615,12 @@ def _project_calls(results: list[Result], calls: dict[int, int], steps: int, hos
         device += n * seconds
         flops += n * r.cost.get("flops", 0.0)
         peak = max(peak, r.memory.get("peak", 0))
+        chips = max(chips, r.chips)
     steps = max(steps, 1)
-    return projection(device / steps, host_s, flops / steps, chip, steps=steps, peak=peak,
-                      source="xla" if sources == {"xla"} else "roofline" if sources == {"roofline"} else "xla+roofline")
+    return {**projection(device / steps, host_s, flops / steps, chip, steps=steps, peak=peak,
+                         source="xla" if sources == {"xla"} else "roofline" if sources == {"roofline"}
+                         else "xla+roofline"),
+            "chips": chips}
 
 
 def project(results: list[Result], steps: list[tuple[float, dict[int, int]]], chip: Chip) -> dict:
