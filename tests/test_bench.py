@@ -26,7 +26,7 @@ def test_train_reports_speed_cpu_time_and_the_cpu_loss(mode):
 
 _TARGET_KEYS = {"chip", "device_ms_per_step", "device_ms_source", "peak_hbm_bytes", "hbm_bytes", "host_ms_per_step",
                 "projected_steps_per_s", "projected_mfu", "bound", "failed_programs", "steps", "peak_hbm_share",
-                "chips"}
+                "chips", "x64_share"}
 _TARGET_SCRIPT = """
 import json, torch_tpu
 from torch_tpu.bench.__main__ import train

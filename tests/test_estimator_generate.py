@@ -91,6 +91,49 @@ def test_generate_takes_dict_batches_with_left_padded_masks_and_buckets_by_lengt
     assert est.last_generate_stats["buckets"] == [(3, 2), (6, 2)]
 
 
+_SAMPLING_SCRIPT = r"""
+import warnings, torch, torch_tpu
+from torch_tpu.bench.decode import tiny_llama
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+cpu_model = tiny_llama(layers=2, hidden=64)
+model = tiny_llama(layers=2, hidden=64)
+model.load_state_dict(cpu_model.state_dict())
+g = torch.Generator().manual_seed(1)
+batches = [torch.randint(1, 256, (2, n), generator=g) for n in (5, 3, 7)]
+kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=50, pad_token_id=0)
+torch.manual_seed(7)
+expected = []
+with torch.no_grad():
+    for b in batches:
+        bucket = 4 if b.shape[1] <= 4 else 8
+        pad = bucket - b.shape[1]
+        ids = torch.cat([torch.zeros(2, pad, dtype=b.dtype), b], 1)
+        mask = torch.cat([torch.zeros(2, pad, dtype=torch.long), torch.ones_like(b)], 1)
+        expected.append(cpu_model.generate(ids, attention_mask=mask, **kw)[:, bucket:])
+torch.manual_seed(7)
+got = torch_tpu.TPUEstimator(bucket_lengths=[4, 8], verbose=False).generate(model, batches, **kw)
+expected = torch.cat(expected)
+assert torch.equal(got, expected), (got, expected)
+torch.manual_seed(8)
+assert not torch.equal(torch_tpu.TPUEstimator(bucket_lengths=[4, 8], verbose=False).generate(model, batches, **kw), got)
+print("ok")
+"""
+
+
+def test_seeded_sampling_gives_cpus_tokens():
+    """Sampling (temperature, top-k, multinomial) from the same seed gives CPU's tokens through the
+    estimator, whose forward runs as compiled programs, when tpu draws from CPU's generator
+    (``TORCH_TPU_RANDOM=cpu``, read at import: a fresh process); another seed, other tokens."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_TPU_RANDOM": "cpu", "TORCH_TPU_PLATFORM": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _SAMPLING_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_generate_refuses_what_it_cannot_decode(model):
     est = torch_tpu.TPUEstimator(bucket_lengths=[4], verbose=False)
     prompt = _prompts([3])[0]

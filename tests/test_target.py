@@ -50,6 +50,33 @@ def test_a_program_compiles_for_the_chip_with_its_cost_and_memory(v5e):
     assert mm["device_ms"] > 0 and mm["device_ms_source"] in ("xla", "roofline")
 
 
+def test_64_bit_ops_are_counted_with_their_bytes_and_lose_xlas_own_estimate(v5e):
+    """An int64 op's program names its 64-bit ops and their bytes; XLA:TPU emulates them and has no
+    time estimate for such a program (the projection uses the roofline); a float32 op has none."""
+    i = torch.arange(1000, device="tpu")
+    (i * 3).cpu()
+    f = torch.randn(1000, device="tpu")
+    (f * 3).cpu()
+    report = torch_tpu.target_report()
+    mul = {p["program"].split("(")[1].split("[")[0]: p for p in report["per_program"]
+           if p["program"].startswith("aten.mul.Tensor(")}
+    assert set(mul) == {"int64", "float32"}, [p["program"] for p in report["per_program"]]
+    assert mul["int64"]["x64_ops"] >= 1 and mul["int64"]["x64_bytes"] >= 1000 * 8, mul["int64"]
+    assert mul["int64"]["xla_ms"] is None and mul["int64"]["device_ms_source"] == "roofline"
+    assert mul["float32"]["x64_ops"] == 0 and mul["float32"]["x64_bytes"] == 0, mul["float32"]
+
+
+def test_x64_figures_read_the_ops_results_of_the_program_text():
+    text = """
+    %0 = stablehlo.iota dim = 0 : tensor<8x64xi64>
+    %1 = stablehlo.convert %0 : (tensor<8x64xi64>) -> tensor<8x64xf32>
+    %2 = stablehlo.add %0, %0 : tensor<8x64xi64>
+    %3:2 = stablehlo.sort %a, %b : (tensor<4xf32>, tensor<4xi32>) -> (tensor<4xf32>, tensor<4xf64>)
+    %4 = stablehlo.constant dense<1.0> : tensor<complex<f64>>
+    """
+    assert _target.x64_figures(text) == {"ops": 4, "bytes": 2 * 8 * 64 * 8 + 4 * 8 + 16}
+
+
 @torch_tpu.jax_op
 def eigenvalue_sum(x):
     """A custom kernel XLA:TPU cannot compile: jax has no TPU lowering of a general eigensolver."""

@@ -29,7 +29,9 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import statistics
 import threading
 import time
@@ -83,6 +85,7 @@ class Result:
     cost: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
     chips: int = 1  # the chips an SPMD program is partitioned over; its figures are per chip
+    x64: dict = dataclasses.field(default_factory=dict)  # its 64-bit ops (see x64_figures)
     future: Any = None
 
     def device_seconds(self, chip: Chip) -> tuple[float, str]:
@@ -312,7 +315,9 @@ def _compile(target: Target, result: Result, fn: Callable, specs: list, donate: 
     try:
         placed, result.chips = target.place(specs)
         lowered = jax.jit(fn, donate_argnums=donate).lower(*placed)
-        path = _analysis_path(target, lowered)
+        text = lowered.as_text()
+        result.x64 = x64_figures(text)
+        path = _analysis_path(target, text)
         if path is not None and path.exists():  # compiled by an earlier process
             known = json.loads(path.read_text())
             result.cost, result.memory, result.error = known["cost"], known["memory"], known["error"]
@@ -354,6 +359,32 @@ def _compile(target: Target, result: Result, fn: Callable, specs: list, donate: 
     result.ok = True
 
 
+_X64_TENSOR = re.compile(r"tensor<((?:\d+x)*)(i64|ui64|f64|complex<f64>)>")
+
+
+def x64_figures(text: str) -> dict:
+    """The 64-bit ops of a program (its StableHLO text, before XLA's passes): how many ops give
+    int64, uint64, float64 or complex128 results, and the bytes those results take.
+
+    XLA:TPU emulates these types with pairs of 32-bit values, and its cost model has no figure for
+    the emulated ops: each one turns XLA's time estimate of the whole program into a sentinel (about
+    -1 s per op), so the projection of such a program falls back to the roofline. These figures say
+    what the 64-bit part is against the program's bytes accessed, which is what the emulation
+    multiplies (a 64-bit op moves 8 bytes per element, where a 32-bit one moves 4)."""
+    ops = nbytes = 0
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("%") or " = " not in line:
+            continue
+        results = line.rsplit("->", 1)[1] if "->" in line else line.rsplit(" : ", 1)[-1]
+        found = _X64_TENSOR.findall(results)
+        if found:
+            ops += 1
+            for dims, kind in found:
+                nbytes += math.prod(int(d) for d in dims.split("x") if d) * (16 if kind.startswith("complex") else 8)
+    return {"ops": ops, "bytes": nbytes}
+
+
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
 
@@ -374,14 +405,14 @@ def _keep_tpu_executables_out_of_the_persistent_cache() -> None:
             lambda record: "compile_only_runtime" not in record.getMessage())
 
 
-def _analysis_path(target: Target, lowered: Any) -> Path | None:
+def _analysis_path(target: Target, text: str) -> Path | None:
     """Where a program's analyses for the target are kept across processes: a file per target,
     versions and program text, under the cache directory (``TORCH_TPU_CACHE_DIR``; ``off``: none)."""
     root = os.environ.get("TORCH_TPU_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_tpu"))
     if root.lower() == "off":
         return None
     digest = hashlib.sha256(f"{target.topology} {jax.__version__} {_libtpu_version()}\n".encode())
-    digest.update(lowered.as_text().encode())
+    digest.update(text.encode())
     return Path(root) / "target" / f"{digest.hexdigest()[:32]}.json"
 
 
@@ -526,7 +557,7 @@ class TargetReport(dict):
                 f"host {s['host_ms_per_step']:.3f} ms here -> {s['projected_steps_per_s']:.1f} steps/s, "
                 f"MFU {s['projected_mfu']:.1%}, {s['bound']}-bound; peak HBM {s['peak_hbm_bytes'] / 2**20:.1f} MiB "
                 f"{f'per chip of {n} ' if (n := s.get('chips', 1)) > 1 else ''}({s['peak_hbm_share']:.1%} of "
-                f"{self['chip']}'s)")
+                f"{self['chip']}'s); 64-bit values {s.get('x64_share', 0.0):.2%} of the bytes accessed")
         top = sorted(self["per_program"], key=lambda p: -p["device_ms"] * max(p["calls"], 1))[:10]
         if top:
             lines.append("programs (by projected device time, all calls):")
@@ -565,6 +596,7 @@ def report(wait: bool = True) -> TargetReport:
             "device_ms_source": source, "flops": r.cost.get("flops", 0.0),
             "bytes_accessed": r.cost.get("bytes accessed", 0.0), "transcendentals": r.cost.get("transcendentals", 0.0),
             "xla_ms": r.cost["optimal_seconds"] * 1e3 if r.cost.get("optimal_seconds", -1) > 0 else None,
+            "x64_ops": r.x64.get("ops", 0), "x64_bytes": r.x64.get("bytes", 0),
             **{f"{k}_bytes": r.memory.get(k, 0) for k in ("argument", "output", "temp", "alias")},
             "peak_bytes": peak, "peak_hbm_share": peak / chip.hbm_bytes,
         })
@@ -603,7 +635,7 @@ def since(snap: dict[int, int], steps: int, host_s: float) -> dict:
 
 
 def _project_calls(results: list[Result], calls: dict[int, int], steps: int, host_s: float, chip: Chip) -> dict:
-    device = flops = 0.0
+    device = flops = moved = x64 = 0.0
     sources = set()
     peak, chips = 0, 1
     for i, n in calls.items():
@@ -614,13 +646,15 @@ def _project_calls(results: list[Result], calls: dict[int, int], steps: int, hos
         sources.add(source)
         device += n * seconds
         flops += n * r.cost.get("flops", 0.0)
+        moved += n * r.cost.get("bytes accessed", 0.0)
+        x64 += n * r.x64.get("bytes", 0)
         peak = max(peak, r.memory.get("peak", 0))
         chips = max(chips, r.chips)
     steps = max(steps, 1)
     return {**projection(device / steps, host_s, flops / steps, chip, steps=steps, peak=peak,
                          source="xla" if sources == {"xla"} else "roofline" if sources == {"roofline"}
                          else "xla+roofline"),
-            "chips": chips}
+            "chips": chips, "x64_share": x64 / moved if moved else 0.0}
 
 
 def project(results: list[Result], steps: list[tuple[float, dict[int, int]]], chip: Chip) -> dict:
