@@ -66,6 +66,23 @@ def test_64_bit_ops_are_counted_with_their_bytes_and_lose_xlas_own_estimate(v5e)
     assert mul["float32"]["x64_ops"] == 0 and mul["float32"]["x64_bytes"] == 0, mul["float32"]
 
 
+def test_a_loss_and_a_causal_mask_keep_64_bit_work_off_the_logits(v5e):
+    """cross_entropy's backward and tril, as a training step runs them, hold no 64-bit op the size
+    of the logits or the mask (int64 targets stay int64 to the user). (JAX's random bits are
+    counted from 64-bit iotas whatever the dtype: the data here is made on the CPU.)"""
+    logits = torch.randn(64, 100).to("tpu").requires_grad_()
+    target = torch.randint(0, 100, (64,)).to("tpu")
+    loss = torch.nn.functional.cross_entropy(logits, target)
+    loss.backward()
+    mask = torch.ones(32, 32, dtype=torch.bool, device="tpu").tril()
+    logits.grad.cpu(), mask.cpu()
+    torch.testing.assert_close(mask.cpu(), torch.ones(32, 32, dtype=torch.bool).tril())
+    report = torch_tpu.target_report()
+    big = [(p["program"][:60], p["x64_bytes"]) for p in report["per_program"] if p["x64_bytes"] >= 32 * 32 * 8]
+    assert not big, big
+    assert any(p["program"].startswith("aten.nll_loss_backward") for p in report["per_program"])
+
+
 def test_x64_figures_read_the_ops_results_of_the_program_text():
     text = """
     %0 = stablehlo.iota dim = 0 : tensor<8x64xi64>

@@ -2,6 +2,7 @@
 
     python tools/target_sweep.py --target v5e                      # every op, the six dtypes, fwd + bwd
     python tools/target_sweep.py --dtypes int64,bool --every 3     # a sample of the ops
+    python tools/target_sweep.py --every 3 --offset 1              # the next third
     python tools/target_sweep.py --only matmul,sort -v --json out.json
 
 Why: the OpInfo gate runs float32 on XLA:CPU; a TPU compiles what XLA:CPU compiles only in part
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--every", type=int, default=1, help="every N-th op of op_db")
+    p.add_argument("--offset", type=int, default=0, help="with --every N: start at this op (0..N-1)")
     p.add_argument("--only", help="comma-separated op names")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--json", help="write the result here")
@@ -121,7 +123,7 @@ def main() -> None:
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = [o for o in op_db if not a.only or o.name in a.only.split(",") or opinfo.op_key(o) in a.only.split(",")]
-    ops = ops[::a.every]
+    ops = ops[a.offset::a.every]
     dtypes = [d for d in a.dtypes.split(",") if d]
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:

@@ -87,14 +87,25 @@ def constant_pad_nd(self, pad, value=0):
 
 
 # --------------------------------------------------------------------- triangles, diagonals
+def _below(shape: tuple, diagonal: int):
+    """Where column - row <= ``diagonal`` over the last two dims, from 32-bit iotas (jnp.tril's are
+    64-bit under x64, which XLA:TPU emulates: a causal mask is such an op in every attention step)."""
+    rows, cols = shape[-2:]
+    if max(rows, cols) + abs(diagonal) >= 2**31:
+        r, c = lax.broadcasted_iota(jnp.int64, (rows, cols), 0), lax.broadcasted_iota(jnp.int64, (rows, cols), 1)
+    else:
+        r, c = lax.broadcasted_iota(jnp.int32, (rows, cols), 0), lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    return c - r <= diagonal
+
+
 @lower(aten.tril)
 def tril(self, diagonal=0):
-    return jnp.tril(self, diagonal)
+    return jnp.where(_below(self.shape, diagonal), self, jnp.zeros((), self.dtype))
 
 
 @lower(aten.triu)
 def triu(self, diagonal=0):
-    return jnp.triu(self, diagonal)
+    return jnp.where(_below(self.shape, diagonal - 1), jnp.zeros((), self.dtype), self)
 
 
 @lower(aten.diag_embed)
