@@ -173,6 +173,10 @@ def test_an_svd_compiles_for_the_chip_and_gives_cpus_values(v5e, dtype):
     torch.linalg.svd(xt, full_matrices=False)[1].sum().backward()
     torch.testing.assert_close(xt.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
     torch.linalg.pinv(torch.randn(3, 3).to("tpu")).cpu()
+    # least squares through the same SVD (the sweep's second third found its 'gels' driver)
+    a, b = torch.randn(5, 3, dtype=dtype), torch.randn(5, 2, dtype=dtype)
+    got = torch.linalg.lstsq(a.to("tpu"), b.to("tpu"), driver="gels").solution.cpu()
+    torch.testing.assert_close(got, torch.linalg.lstsq(a, b, driver="gels").solution, rtol=1e-4, atol=1e-4)
     report = torch_tpu.target_report()
     assert report["programs"]["failed"] == 0, report["failures"]
     assert any(p["program"].startswith("aten._linalg_svd.default") for p in report["per_program"])

@@ -820,7 +820,9 @@ def _lstsq(a, b, *, driver: str, rcond: float | None, vector: bool):
         rank = jnp.zeros(a_batch, jnp.int64)
         sv = jnp.zeros(a_batch + (0,), real)
     else:
-        u, sv, vh = jnp.linalg.svd(a, full_matrices=False)
+        # a 32-bit SVD traced with 64-bit types off: XLA:TPU cannot compile JAX's otherwise
+        u, sv, vh = (_svd_32_bit(a, False) if a.dtype in (jnp.float32, jnp.complex64)
+                     else jnp.linalg.svd(a, full_matrices=False))
         cut = (jnp.finfo(real).eps * max(m, n)) if rcond is None else rcond
         keep = sv > cut * sv[..., :1]
         rank = jnp.sum(keep, axis=-1).astype(jnp.int64)
