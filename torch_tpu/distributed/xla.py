@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from torch_tpu.runtime import fused, target
+from torch_tpu.runtime import executor, target
 
 _COORDINATOR_KEY = "torch_tpu/jax_coordinator"
 _state: dict[str, Any] = {"mesh": None}
@@ -116,12 +116,7 @@ def _program(kind: str, shape: tuple, dtype: Any, arg: Any, chip: Any) -> Any:
     if chip is None:
         return jitted
     name = f"c10d {kind}" + (f"({arg})" if arg is not None else "") + f" over {n} ranks"
-    return target.watch(jitted, kind="collective", name=name, fn=jitted, ops=[name], site=_user_line)
-
-
-def _user_line() -> str | None:
-    site = fused.user_site()
-    return f"{site[0]}:{site[1]}" if site else None
+    return target.watch(jitted, kind="collective", name=name, fn=jitted, ops=[name], site=executor.user_line)
 
 
 def run(kind: str, local: Any, arg: Any = None) -> Any:

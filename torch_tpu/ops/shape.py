@@ -91,11 +91,8 @@ def _below(shape: tuple, diagonal: int):
     """Where column - row <= ``diagonal`` over the last two dims, from 32-bit iotas (jnp.tril's are
     64-bit under x64, which XLA:TPU emulates: a causal mask is such an op in every attention step)."""
     rows, cols = shape[-2:]
-    if max(rows, cols) + abs(diagonal) >= 2**31:
-        r, c = lax.broadcasted_iota(jnp.int64, (rows, cols), 0), lax.broadcasted_iota(jnp.int64, (rows, cols), 1)
-    else:
-        r, c = lax.broadcasted_iota(jnp.int32, (rows, cols), 0), lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-    return c - r <= diagonal
+    index = jnp.int64 if max(rows, cols) + abs(diagonal) >= 2**31 else jnp.int32
+    return lax.broadcasted_iota(index, (rows, cols), 1) - lax.broadcasted_iota(index, (rows, cols), 0) <= diagonal
 
 
 @lower(aten.tril)

@@ -194,7 +194,7 @@ class Program:
         residency.before_compile()
         jitted = jax.jit(self.fn)
         if target.active():  # also compiled for the target chip, per input signature (runtime.target)
-            jitted = target.watch(jitted, kind="program", name=self.name, fn=self.fn, ops=[self.name], site=_user_line)
+            jitted = target.watch(jitted, kind="program", name=self.name, fn=self.fn, ops=[self.name], site=user_line)
         self._jitted = jitted
         _compiled.add(self)
         t0 = time.perf_counter()
@@ -213,7 +213,9 @@ class Program:
         return f"Program({self.name})"
 
 
-def _user_line() -> str | None:
+def user_line() -> str | None:
+    """The user's line running now, as ``file:line`` (None outside user code): the site a target
+    compile failure names."""
     site = fused.user_site()
     return f"{site[0]}:{site[1]}" if site else None
 
