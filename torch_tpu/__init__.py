@@ -46,6 +46,7 @@ from torch_tpu.custom import jax_op  # noqa: E402
 from torch_tpu.device import module_move as _module_move  # noqa: E402
 from torch_tpu.device import tpu_module as _tpu_module  # noqa: E402
 from torch_tpu.dispatch import autocast as _autocast  # noqa: E402
+from torch_tpu.dispatch import batched_matmul as _batched_matmul  # noqa: E402
 from torch_tpu.dispatch import fallback as _fallback  # noqa: E402
 from torch_tpu.dispatch import hand_kernels as _hand_kernels  # noqa: E402,F401  (registers its kernels)
 from torch_tpu.dispatch import nested as _nested  # noqa: E402
@@ -68,6 +69,7 @@ from torch_tpu.tensor import storage_api as _storage_api  # noqa: E402
 
 _module_move.install()
 _op_kernel.register_table()
+_batched_matmul.install()
 _sparse.register()
 _nested.register()
 _torch_tpu_autoload.remove_first_use_fallback()  # this package's own fallback replaces it
