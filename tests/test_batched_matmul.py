@@ -158,3 +158,30 @@ def test_autograds_traced_graphs_hold_the_op():
     assert len(seen) == 2
     for ops in seen:
         assert "torch_tpu_ops.batched_matmul.default" in ops and "aten.bmm.default" not in ops, ops
+
+
+@pytest.mark.parametrize("setting", ["medium", "highest"])
+def test_compiled_graphs_take_the_float32_matmul_precision(setting, monkeypatch):
+    """As eager mode does: torch.compile's products run at torch.get_float32_matmul_precision()."""
+    import jax
+
+    from torch_tpu.ops import linalg
+
+    seen = []
+    dot = linalg._dot
+
+    def spy(a, b, precision, subscripts=None):
+        seen.append(precision)
+        return dot(a, b, precision, subscripts)
+
+    monkeypatch.setattr(linalg, "_dot", spy)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        torch._dynamo.reset()
+        a, b = torch.randn(3, 4, device="tpu"), torch.randn(4, 5, device="tpu")
+        torch.compile(lambda x, y: (x @ y).sin(), backend="tpu")(a, b).cpu()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    want = jax.lax.Precision.DEFAULT if setting == "medium" else jax.lax.Precision.HIGHEST
+    assert seen and set(seen) == {want}, seen

@@ -17,6 +17,7 @@ that Dynamo passes as integer inputs are compile-time constants.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.abc
@@ -131,6 +132,8 @@ GRAPH_UNSERVED: dict[torch._ops.OpOverload, str] = {
 
 def _lowering_of(target: Any) -> Any:
     lowering = LOWERINGS.get(target)
+    if lowering is not None and lowering.variants and getattr(lowering.choose, "settings_only", False):
+        return _variant(target, lowering.choose())  # the float32 matmul precision, as eager mode takes it
     if lowering is None and isinstance(target, torch._ops.OpOverload):
         lowering = foreach_lowering(target) or _python_custom_op(target)
     if lowering is None:
@@ -138,6 +141,15 @@ def _lowering_of(target: Any) -> Any:
         raise NotImplementedError(f"torch.compile(backend='tpu'): no lowering for {target} in the graph"
                                   + (f": {why}" if why else ""))
     return lowering
+
+
+@functools.cache
+def _variant(target: Any, name: str) -> Lowering:
+    """``target``'s lowering with the keywords of its variant ``name``. Dynamo's global-state guard
+    recompiles a graph when the float32 matmul precision moves to or from ``"highest"``."""
+    lowering = LOWERINGS[target]
+    return dataclasses.replace(lowering, fn=functools.partial(lowering.fn.func, **lowering.variants[name]),
+                               variants=None, choose=None)
 
 
 @functools.cache

@@ -96,11 +96,18 @@ def _scaled_sum(self, prod, beta, alpha):
     return scaled + jnp.where(b == 0, jnp.zeros((), dt), self.astype(dt) * b.astype(dt))
 
 
+def _float32_precision(*_args: Any, **_kwargs: Any) -> str:
+    return torch.get_float32_matmul_precision()
+
+
+_float32_precision.settings_only = True  # the arguments play no part: graphs choose it at tracing too
+
+
 def matmul_lowering(*ops: torch._ops.OpOverload, **options: Any):
     """A lowering taking ``precision``, chosen from ``torch.get_float32_matmul_precision()``
     (``options``: :func:`lower`'s others)."""
     variants = {name: {"precision": p} for name, p in _PRECISION.items()}
-    return lower(*ops, variants=variants, choose=lambda *a, **k: torch.get_float32_matmul_precision(), **options)
+    return lower(*ops, variants=variants, choose=_float32_precision, **options)
 
 
 def factor_transposed(*ops: torch._ops.OpOverload):
