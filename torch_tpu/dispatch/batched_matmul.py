@@ -8,14 +8,17 @@ is a copy, and XLA:TPU cannot fold a transpose into the dot once a reshape merge
 dimensions: gpt's replayed step moves ~30% more bytes than the same step written in JAX, whose
 ``einsum`` is one ``dot_general``.
 
-So tpu serves ``aten::matmul`` at its Autograd key: two real floating operands of 3 or more
-dimensions on tpu become ``torch_tpu_ops::batched_matmul``, an op whose lowering is
-``jnp.matmul`` (broadcast batch dimensions and all) and whose backward is the same op on the
-gradient and the other operand with its last two dimensions swapped (a view), summed to the
-operand's shape where it was broadcast. Every other call (fewer dimensions, integer or complex
-dtypes, mismatched operands, which raise CPU's errors, tensor subclasses, forward-mode AD,
-functorch transforms, a dispatch mode, ``torch.compile``'s fake tensors) runs ATen's
-composite kernel, as before.
+So tpu serves ``aten::matmul`` and ``aten::linear`` at their Autograd key: real floating
+operands of 3 or more dimensions (a 2-D right operand, a weight, allowed) become
+``torch_tpu_ops::batched_matmul``, whose lowering is ``jnp.matmul`` (batch dimensions broadcast)
+and whose backward is the same op on the gradient and the other operand's transposed view, summed
+to the operand's shape where it was broadcast. A 2-D operand's gradient is
+``torch_tpu_ops::batched_matmul_summed``, one ``dot_general`` contracting every batch dimension
+(no reshape to 2-D); a linear's bias is added to the product. ``torch.compile``'s fake and
+functional tensors take the same op, so its graphs hold it too. Every other call (fewer
+dimensions, integer, complex or mixed dtypes, operands that do not match, which raise CPU's
+errors, other tensor subclasses, forward-mode AD, functorch transforms, a user's dispatch mode)
+runs ATen's composite kernel, as before.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if w.dim() == 2 and (bias is None or (type(bias) in _PLAIN and bias.dtype is x.dtype)):
+    if w.dim() == 2 and (bias is None or (type(bias) in _PLAIN and bias.dtype is x.dtype and bias.dim() == 1
+                                          and bias.shape[0] == w.shape[0])):
         wt = w.t()
         if _batched(x, wt):
             out = _Product.apply(x, wt)
@@ -163,8 +167,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
 
 
 def install() -> None:
-    """Registers the op (its meta, lowering, kernel and gradient) and ``aten::matmul``'s tpu
-    Autograd kernel. Called once, after the serving table is registered."""
+    """Registers the two ops (meta, lowering, kernel) and ``aten::matmul``'s and ``aten::linear``'s
+    tpu Autograd kernels. Called once, after the serving table is registered."""
     _lib.impl("batched_matmul", _meta, "Meta")
     matmul_lowering(batched_matmul)(mm)  # mm and bmm's lowering: jnp.matmul broadcasts batch dimensions
     _lib.impl("batched_matmul_summed", _meta_summed, "Meta")
