@@ -157,8 +157,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if w.dim() == 2 and (bias is None or (type(bias) in _PLAIN and bias.dtype is x.dtype and bias.dim() == 1
-                                          and bias.shape[0] == w.shape[0])):
+    plain_bias = bias is None or (type(bias) in _PLAIN and bias.dtype is x.dtype and bias.dim() == 1
+                                  and bias.shape[0] == w.shape[0])
+    if x.dim() >= 3 and w.dim() == 2 and plain_bias:  # a 2-D input: ATen's addmm, no transposed view made
         wt = w.t()
         if _batched(x, wt):
             out = _Product.apply(x, wt)
