@@ -14,6 +14,7 @@ import torch
 
 import torch_tpu
 from torch_tpu.runtime import target as _target
+from torch_tpu.testing.expected import fallbacks
 
 pytestmark = pytest.mark.skipif(not _target.available(), reason="a TPU target needs libtpu (pip install libtpu)")
 
@@ -247,6 +248,20 @@ def test_a_captured_graph_compiles_for_the_chip(v5e):
     assert len(graphs) == 1 and graphs[0]["calls"] == 3 and graphs[0]["flops"] >= 2 * 8**3
 
 
+def test_a_replay_the_graph_refuses_raises_its_own_error_and_is_no_target_failure(v5e):
+    """A static input resized after capture: the replay raises the graph's error on the local
+    platform, and the target reports no failed program (nothing was due to compile)."""
+    x = torch.zeros(3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        (x + 1).relu()
+    x.resize_(5)
+    with pytest.raises(RuntimeError, match=r"static input changed from float32\[3\] to float32\[5\]"):
+        g.replay()
+    report = torch_tpu.target_report()
+    assert report["programs"]["failed"] == 0 and report["programs"]["pending"] == 0, str(report)
+
+
 def test_steps_project_speed_and_which_side_binds(v5e):
     w = torch.randn(128, 128, device="tpu")
     for _ in range(3):
@@ -318,6 +333,30 @@ def test_eig_runs_on_the_host_for_a_tpu_target_and_is_named(tmp_path, monkeypatc
     assert metrics.fallback_counts[name] == before + 1
     assert report["host_fallbacks"] == {name: 1} and report["programs"]["failed"] == 0, report
     assert any("no TPU kernel" in str(m.message) for m in seen) and "on the host" in str(report)
+    # a fallback by design: the conformance gates' verdict is the same with the target as without
+    assert torch_tpu.metrics()["no_tpu_kernel_counts"][name] >= 1
+    assert name not in fallbacks(torch_tpu.metrics())
+
+
+def test_compiled_graphs_with_eig_run_op_by_op_and_svds_compile_for_the_chip(v5e):
+    """torch.compile: a graph holding eig (no TPU kernel) runs op by op, eig on the host; pinv and
+    svdvals (32-bit SVDs) compile for the chip. Values are CPU's and no program fails."""
+    torch._dynamo.reset()
+    a = torch.randn(2, 5, 5)
+
+    def f(x):
+        return torch.linalg.eigvals(x).real.sum(-1) + 1, torch.linalg.pinv(x), torch.linalg.svdvals(x)
+
+    got = torch.compile(f, backend="tpu")(a.to("tpu"))
+    for g, want in zip(got, f(a)):
+        torch.testing.assert_close(g.cpu(), want, atol=1e-4, rtol=1e-4)
+    report = torch_tpu.target_report()
+    assert report["programs"]["failed"] == 0, str(report)
+    eig = [op for op in report["host_fallbacks"] if "eig" in op]  # the graph's eig op (AOTAutograd's choice)
+    assert eig and torch_tpu.metrics()["eager_graphs"].get(eig[0], 0) >= 1, (report["host_fallbacks"], eig)
+    g = lambda x: (torch.linalg.pinv(x), torch.linalg.svdvals(x))  # noqa: E731
+    torch.compile(g, backend="tpu")(a.to("tpu"))[1].cpu()
+    assert torch_tpu.target_report()["programs"]["failed"] == 0
 
 
 def test_profile_keeps_its_summary_but_writes_no_trace_beside_the_compile_client(v5e, tmp_path):

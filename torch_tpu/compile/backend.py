@@ -39,10 +39,12 @@ import torch._decomp
 
 from torch_tpu.core import dtypes as _dtypes
 from torch_tpu.core import rng as _rng
+from torch_tpu.core.devices import platform
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
 from torch_tpu.ops.graph import foreach_lowering
 from torch_tpu.ops.indexing import INDEX_CHECKS
 from torch_tpu.runtime import executor, fused, metrics
+from torch_tpu.runtime import target as _target
 from torch_tpu.runtime.executor import EagerMode, Program, execute
 from torch_tpu.tensor import storage as _storage
 from torch_tpu.tensor import value_checks
@@ -167,6 +169,10 @@ def _python_custom_op(target: torch._ops.OpOverload) -> Lowering | None:
     if opdef is None:
         return None
     body = opdef._init_fn
+    # per signature, the body's lowered graph: a later trace of the same signature (the TPU target's
+    # compile, on its worker thread) reuses it, for make_fx sets torch's process-wide "FX tracing"
+    # flag, which would fail a torch.compile call running meanwhile on another thread
+    traced: dict[str, tuple[Callable, bool]] = {}
 
     def fn(*args: Any, **kwargs: Any) -> Any:
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -174,6 +180,11 @@ def _python_custom_op(target: torch._ops.OpOverload) -> Lowering | None:
 
         leaves, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        signature = repr((spec, [(x.shape, str(x.dtype)) if i in where else x for i, x in enumerate(leaves)]))
+        known = traced.get(signature)
+        if known is not None:
+            out = known[0]([], *[leaves[i] for i in where])
+            return out[0] if known[1] else tuple(out)
         metas = [torch.empty(leaves[i].shape, dtype=_dtypes.to_torch(leaves[i].dtype), device="meta") for i in where]
         single: list[bool] = []
 
@@ -192,6 +203,7 @@ def _python_custom_op(target: torch._ops.OpOverload) -> Lowering | None:
         lowered, n_random, _ = lower_graph(gm)
         if n_random:
             raise NotImplementedError(f"torch.compile(backend='tpu'): random ops inside the custom op {target}")
+        traced[signature] = (lowered, single[-1])
         out = lowered([], *[leaves[i] for i in where])
         return out[0] if single[-1] else tuple(out)
 
@@ -716,6 +728,43 @@ class _Tensor(tuple):
 
 
 
+def _without_tpu_kernel(gm: torch.fx.GraphModule) -> str | None:
+    """The first op of an AOTAutograd graph that XLA cannot compile for a TPU (``host_on_tpu``:
+    eig), when the platform or the TPU target is a TPU; else None."""
+    if not (_target.active() or platform() == "tpu"):
+        return None
+    for n in gm.graph.nodes:
+        lowering = LOWERINGS.get(n.target) if n.op == "call_function" else None
+        when = getattr(lowering, "host_on_tpu", False)
+        if not when:
+            continue
+        if when is True:
+            return str(n.target)
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+        if when(*args, **kwargs):
+            return str(n.target)
+    return None
+
+
+def _op_by_op(gm: torch.fx.GraphModule, op: str) -> Callable:
+    """An AOTAutograd graph run op by op in eager mode, where ``op`` runs on the host (it has no
+    TPU kernel): one program of the graph would not compile for a TPU. Counted in
+    ``metrics()["eager_graphs"]`` and warned once per op."""
+    if op not in _WARNED_EAGER:
+        _WARNED_EAGER.add(op)
+        warnings.warn(f"torch.compile(backend='tpu'): {op} has no TPU kernel in XLA; the graph holding it runs "
+                      "op by op in eager mode, that op on the host", stacklevel=2)
+
+    def run(args: list) -> Any:
+        metrics.eager_graphs[op] += 1
+        flat = list(args)
+        args.clear()
+        return gm(*flat)
+
+    run._boxed_call = True  # AOTAutograd passes a list it may clear
+    return run
+
+
 def _compile_inference(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return _compile(gm, example_inputs, inference=True)
 
@@ -744,6 +793,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     that returns values runs as soon as it is called, see ``run``; one that returns nothing (an
     optimizer step, whose updates are its input mutations) waits, like a training step's graphs.
     """
+    no_kernel = _without_tpu_kernel(gm)
+    if no_kernel is not None:
+        return _op_by_op(gm, no_kernel)
     host_nodes, host_outs, host_mutations = _host_part(gm)
     fn, n_random, out_metas = lower_graph(gm, skip=host_mutations, checks=True)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -225,6 +225,7 @@ def host_on_tpu_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
         _target.note_host_op(name)
         metrics.op_counts[name] += 1
         metrics.fallback_counts[name] += 1
+        metrics.no_tpu_kernel_counts[name] += 1
         if name not in _warned:
             _warned.add(name)
             warnings.warn(f"tpu: {name} has no TPU kernel in XLA; it runs on the host (counted in "

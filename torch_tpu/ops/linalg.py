@@ -443,6 +443,8 @@ def linalg_pinv(self, atol=None, rtol=None, hermitian=False):
     if hermitian:
         w, v = jnp.linalg.eigh(self, symmetrize_input=False)
         s, u, vh = jnp.abs(w), v, _mH(v * jnp.sign(w)[..., None, :].astype(self.dtype))
+    elif self.dtype in (jnp.float32, jnp.complex64):
+        u, s, vh = _svd_32_bit(self, False)
     else:
         u, s, vh = jnp.linalg.svd(self, full_matrices=False)
     top = jnp.max(s, axis=-1, initial=0.0)[..., None]
@@ -467,7 +469,7 @@ def _svd_platforms() -> tuple[str, ...]:
     return tuple(dict.fromkeys((local, "tpu")))
 
 
-def _svd_32_bit(A, full_matrices: bool):
+def _svd_32_bit(A, full_matrices: bool, compute_uv: bool = True):
     """A 32-bit SVD, traced with JAX's 64-bit types off, and embedded in the calling program.
 
     Why: with them on (torch_tpu's int64 and float64 need them), JAX's TPU algorithm (QDWH, a
@@ -477,10 +479,10 @@ def _svd_32_bit(A, full_matrices: bool):
     compile for a TPU. A context that turns them off inside a trace does not reach the ops traced
     there, so the SVD is exported on its own (``jax.export``, for the local platform and the TPU,
     once per shape and dtype) with them off, and called as a function of the program."""
-    key = (tuple(A.shape), np.dtype(A.dtype), full_matrices)
+    key = (tuple(A.shape), np.dtype(A.dtype), full_matrices, compute_uv)
     exported = _SVD_32.get(key)
     if exported is None:
-        fn = jax.jit(lambda a: jnp.linalg.svd(a, full_matrices=full_matrices))
+        fn = jax.jit(lambda a: jnp.linalg.svd(a, full_matrices=full_matrices, compute_uv=compute_uv))
         with jax.enable_x64(False):
             exported = jax.export.export(fn, platforms=_svd_platforms())(jax.ShapeDtypeStruct(A.shape, A.dtype))
         _SVD_32[key] = exported
@@ -490,7 +492,8 @@ def _svd_32_bit(A, full_matrices: bool):
 @lower(aten._linalg_svd)
 def _linalg_svd(A, full_matrices=False, compute_uv=True, driver=None):
     if not compute_uv:
-        s = jnp.linalg.svd(A, compute_uv=False)
+        s = (_svd_32_bit(A, False, compute_uv=False) if A.dtype in (jnp.float32, jnp.complex64)
+             else jnp.linalg.svd(A, compute_uv=False))
         empty = jnp.zeros((0,), A.dtype)
         return empty, s, empty
     if A.dtype in (jnp.float32, jnp.complex64):

@@ -19,6 +19,9 @@ decomposition_counts: collections.Counter[str] = collections.Counter()
 # ops run on the host CPU because their (small, integer) shapes changed at every call
 # (torch_tpu.dispatch.host_placement)
 host_op_counts: collections.Counter[str] = collections.Counter()
+# of the fallbacks, the calls that ran on the host because XLA has no TPU kernel for the op (eig)
+# while the platform or the TPU target is a TPU (torch_tpu.dispatch.fallback.host_on_tpu_kernel)
+no_tpu_kernel_counts: collections.Counter[str] = collections.Counter()
 compile_counts: collections.Counter[str] = collections.Counter()
 compile_seconds: collections.Counter[str] = collections.Counter()
 transfer_bytes: collections.Counter[str] = collections.Counter()  # host_to_device, device_to_host
@@ -51,8 +54,8 @@ def on_reset(clear: Callable[[], None]) -> None:
 def reset() -> None:
     """Clears every counter that ``metrics()``, ``metrics_report()`` and ``cache_stats()`` show,
     the recompilation log included (the compiled programs themselves stay cached)."""
-    for c in (op_counts, fallback_counts, decomposition_counts, host_op_counts, compile_counts, compile_seconds,
-              transfer_bytes, eager_graphs):
+    for c in (op_counts, fallback_counts, decomposition_counts, host_op_counts, no_tpu_kernel_counts,
+              compile_counts, compile_seconds, transfer_bytes, eager_graphs):
         c.clear()
     compile_totals[:] = [0, 0.0]
     for clear in _on_reset:
@@ -69,6 +72,7 @@ def metrics() -> dict[str, Any]:
         "fallback_counts": dict(fallback_counts),
         "decomposition_counts": dict(decomposition_counts),
         "host_op_counts": dict(host_op_counts),
+        "no_tpu_kernel_counts": dict(no_tpu_kernel_counts),
         "compile_count": sum(compile_counts.values()),  # every XLA program: per-op ones and fused traces
         "fused_compile_count": sum(n for k, n in compile_counts.items() if k.startswith("fused program ")),
         "compile_seconds": round(sum(compile_seconds.values()), 4),

@@ -87,6 +87,9 @@ class Result:
     chips: int = 1  # the chips an SPMD program is partitioned over; its figures are per chip
     x64: dict = dataclasses.field(default_factory=dict)  # its 64-bit ops (see x64_figures)
     future: Any = None
+    # inputs the program refuses on the local platform as well (a graph replayed with a static
+    # input of another shape): the call raises its own error there, and there is nothing to compile
+    refused: bool = False
 
     def device_seconds(self, chip: Chip) -> tuple[float, str]:
         """XLA:TPU's own time estimate where it gives one, else the roofline of its flops and bytes."""
@@ -299,6 +302,16 @@ def _spec(x: Any, sharding: Any) -> Any:
     return x
 
 
+def _refused_here(fn: Callable, specs: list) -> bool:
+    """Whether ``fn`` fails to trace for these inputs whatever the platform (an input of a shape the
+    program was not built for): the local call raises its own error, and no TPU compile is due."""
+    try:
+        jax.eval_shape(fn, *specs)
+    except Exception:  # noqa: BLE001 - any error: the inputs are the caller's mistake
+        return True
+    return False
+
+
 def _signature(args: tuple) -> tuple:
     """Shapes and dtypes, and the layout of an input spread over several devices: a program run on
     sharded inputs is another program for the target than the same one on whole arrays."""
@@ -332,9 +345,16 @@ def _compile(target: Target, result: Result, fn: Callable, specs: list, donate: 
                 _save(path, {"cost": {}, "memory": {}, "error": _error_text(e)})
             raise
     except Exception as e:  # noqa: BLE001 - XLA:TPU's refusal, kept as the report's reason
+        if _refused_here(fn, specs):
+            result.refused = True
+            return
         result.error = result.error or _error_text(e)
         if parts is not None:  # a trace of several ops: which of them fail on their own
-            for op_name, op_fn, op_args in parts(specs):
+            try:
+                each = parts(specs)
+            except Exception:  # noqa: BLE001 - the trace as a whole stays the one named
+                each = []
+            for op_name, op_fn, op_args in each:
                 try:
                     jax.jit(op_fn).lower(*target.place(op_args)[0]).compile()
                 except Exception:  # noqa: BLE001
@@ -436,11 +456,12 @@ def _save(path: Path, figures: dict) -> None:
         pass
 
 
-def _submit(result: Result, fn: Callable, args: tuple, donate: tuple, parts: Callable | None) -> None:
+def _submit(result: Result, fn: Callable, specs: list, donate: tuple, parts: Callable | None) -> None:
+    """Queues ``fn``'s compile for the target on the worker thread (and waits for it under
+    ``TORCH_TPU_TARGET_STRICT``, raising if it fails). ``specs``: its inputs' shapes and placements."""
     global _pool
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_tpu-target")
-    specs = _map_leaves(list(args), _local_spec)  # now: a donated input is gone by the time the worker runs
     result.future = _pool.submit(_compile, _target, result, fn, specs, donate, parts)
     if _strict:
         result.future.result()
@@ -493,21 +514,37 @@ class _Watched:
         self._seen: tuple[int, dict] = (_generation[0], {})  # input signature -> its Result, since the last reset
 
     def __call__(self, *args: Any) -> Any:
-        if _target is not None:
-            generation, seen = self._seen
-            if generation != _generation[0]:  # a reset since: compiled (and counted) anew
-                self._seen = generation, seen = _generation[0], {}
-            key = None if self._fixed else _signature(args)
-            result = seen.get(key)
-            if result is None:
-                result = seen[key] = Result(self._kind, self._name, self._ops, self._site())
-                with _lock:
-                    _results.append(result)
-                _submit(result, self._fn, args, self._donate, self._parts)
-            result.calls += 1
-            if _unreported:
-                _tell()
-        return self._run(*args)
+        if _target is None:
+            return self._run(*args)
+        generation, seen = self._seen
+        if generation != _generation[0]:  # a reset since: compiled (and counted) anew
+            self._seen = generation, seen = _generation[0], {}
+        key = None if self._fixed else _signature(args)
+        result = seen.get(key)
+        if result is None:
+            result = Result(self._kind, self._name, self._ops, self._site())
+            specs = _map_leaves(list(args), _local_spec)  # now: a donated input is gone after the call
+            if _strict:  # raises at the op, before it runs
+                self._register(seen, key, result, specs)
+                out = self._run(*args)
+            else:
+                # the local call first: its own trace of the program is then the first (a lowering
+                # that traces torch code, a custom op's body, does so once, on this thread), and a
+                # call the program refuses raises here with no target compile due
+                out = self._run(*args)
+                self._register(seen, key, result, specs)
+        else:
+            out = self._run(*args)
+        result.calls += 1
+        if _unreported:
+            _tell()
+        return out
+
+    def _register(self, seen: dict, key: Any, result: Result, specs: list) -> None:
+        seen[key] = result
+        with _lock:
+            _results.append(result)
+        _submit(result, self._fn, specs, self._donate, self._parts)
 
     def __getattr__(self, name: str) -> Any:  # the executable's own methods (as_text, ...)
         return getattr(self._run, name)
@@ -603,7 +640,7 @@ def report(wait: bool = True) -> TargetReport:
     out = TargetReport(
         chip=chip.name, topology=_target.topology,
         programs={"compiled": sum(r.ok is True for r in results), "failed": len(failures),
-                  "pending": sum(r.ok is None for r in results)},
+                  "pending": sum(r.ok is None and not r.refused for r in results)},
         failures=failures, per_program=per_program, host_fallbacks=dict(_host_ops), step=None,
     )
     if steps:

@@ -24,3 +24,11 @@ def check_expected(name: str, got: dict[str, bool | None], expected: dict[str, d
 
 
 __all__ = ["check_expected"]
+
+
+def fallbacks(metrics: dict) -> tuple[str, ...]:
+    """The ops of ``torch_tpu.metrics()`` that fell back to the CPU, less the calls that ran on the
+    host by design because XLA has no TPU kernel for them (eig, with the platform or the TPU target
+    a TPU): the gates' ``no_fallback`` verdict is the same with and without ``TORCH_TPU_TARGET``."""
+    designed = metrics.get("no_tpu_kernel_counts", {})
+    return tuple(sorted(op for op, n in metrics["fallback_counts"].items() if n > designed.get(op, 0)))

@@ -33,6 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_tpu
+from torch_tpu.testing.expected import fallbacks
 
 RTOL, ATOL = 1e-3, 1e-4
 BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-2
@@ -333,7 +334,7 @@ def check(info: Any, max_inputs: int = MAX_INPUTS, bf16: bool = True) -> ModuleV
 
     torch_tpu.reset_metrics()
     v.forward = each(lambda t, mi: _check_forward_only(info, mi, t), "forward")
-    v.fallbacks = tuple(sorted(torch_tpu.metrics()["fallback_counts"]))
+    v.fallbacks = fallbacks(torch_tpu.metrics())
     v.no_fallback = v.forward and not v.fallbacks
     if not v.forward:
         return v

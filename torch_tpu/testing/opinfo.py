@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_tpu
+from torch_tpu.testing.expected import fallbacks
 
 RTOL, ATOL = 1e-3, 1e-4
 MAX_SAMPLES = 6
@@ -156,11 +157,11 @@ def check(op, max_samples: int = MAX_SAMPLES, grads: bool = True) -> Verdict:
                 _compare(cpu_out, tpu_out)
                 continue
         v.forward = True
-        v.fallbacks = tuple(sorted(torch_tpu.metrics()["fallback_counts"]))
+        v.fallbacks = fallbacks(torch_tpu.metrics())
         v.no_fallback = not v.fallbacks
     except Exception as e:
         v.error = f"forward: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        v.fallbacks = tuple(sorted(torch_tpu.metrics()["fallback_counts"]))
+        v.fallbacks = fallbacks(torch_tpu.metrics())
         return v
     if not grads or not op.supports_autograd:
         v.grad = v.forward
