@@ -152,6 +152,30 @@ def test_transpose_of_a_flattened_view_reads_and_writes_without_a_gather():
     assert _storage._plan((2, 3, 4), (4, 3), (1, 8), 0)[0] == "reshaped"
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_heads_of_a_fused_qkv_projection_read_and_write_like_cpu(mode):
+    """``q, k, v = qkv.split(D, -1)`` viewed as heads ``[B, H, T, hd]``: each head view is read (and
+    written) from its own run of the base, sliced before the reshape to heads (the "cut" plan), not
+    from the whole ``[B, T, 3D]`` base reshaped (a relayout copy of all of it on a TPU)."""
+    from torch_tpu.tensor import storage as _storage
+
+    B, T, H, hd = 2, 5, 3, 4
+    c = torch.randn(B, T, 3 * H * hd)
+    with torch_tpu.set_eager_mode(mode):
+        t = c.to("tpu")
+        read = {}
+        for x in (c, t):
+            heads = [p.view(B, T, H, hd).transpose(1, 2) for p in x.split(H * hd, -1)]
+            heads[1][:, 1:].mul_(-3)  # a write through k's heads reaches qkv
+            read[x.device.type] = [h * 1 for h in heads]
+        torch.testing.assert_close(t.cpu(), c)
+        for a, b in zip(read["tpu"], read["cpu"]):
+            torch.testing.assert_close(a.cpu(), b)
+    k = t.split(H * hd, -1)[1].view(B, T, H, hd).transpose(1, 2)
+    plan = _storage._plan(t.untyped_storage()._shape, tuple(k.shape), k.stride(), k.storage_offset())
+    assert plan[0] == "cut" and plan[2] == (B, T, H * hd), plan
+
+
 def test_storage_resize_like_cpu():
     """``UntypedStorage.resize_`` as FSDP2 uses it (free with resize_(0), re-allocate with resize_(nbytes)),
     and as CPU does it: the leading bytes survive a resize, ``size()``/``nbytes()`` follow it."""

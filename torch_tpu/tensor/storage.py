@@ -195,7 +195,9 @@ def _plan(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...],
     ``("id",)`` the whole base; ``("reshape",)`` the whole base, reshaped; ``("flat", start)`` a
     contiguous run; ``("slice", index, perm, bshape)`` a strided slice of the base dims, permuted and
     broadcast; ``("reshaped", shape, plan)`` one of those on the base reshaped to ``shape`` (the
-    transpose of a flattened ``[B, T, D]`` gradient); ``("gather",)`` anything else (an as_strided
+    transpose of a flattened ``[B, T, D]`` gradient); ``("cut", index, shape, reshaped)`` a
+    "reshaped" plan on a run of the base sliced first (attention heads of a fused qkv projection's
+    ``q``); ``("gather",)`` anything else (an as_strided
     with overlapping or odd strides). A gather costs far more than a transpose, which XLA folds
     into the matmul reading it.
     """
@@ -205,8 +207,61 @@ def _plan(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...],
         if shape is not None and shape != base:
             inner = _plan_on(shape, size, stride, offset)
             if inner[0] != "gather":
-                return ("reshaped", shape, inner)
+                return _cut_first(base, shape, inner) or ("reshaped", shape, inner)
     return plan
+
+
+def _split_dims(base: tuple[int, ...], shape: tuple[int, ...]) -> list[list[int]] | None:
+    """Per dim of ``base``, the dims of ``shape`` it splits into (none for a dim of size 1); None
+    when ``shape`` is not such a split of ``base``."""
+    groups, j = [], 0
+    for n in base:
+        dims, p = [], 1
+        while p < n and j < len(shape):
+            p *= shape[j]
+            dims.append(j)
+            j += 1
+        if p != n:
+            return None
+        groups.append(dims)
+    return groups if j == len(shape) else None
+
+
+def _cut_first(base: tuple[int, ...], shape: tuple[int, ...], inner: tuple) -> tuple | None:
+    """``("cut", index, cut, ("reshaped", shape', inner'))``: a view of the base reshaped to
+    ``shape`` that reads only a run of some base dim (``q`` of a fused ``qkv`` projection, viewed
+    as heads), with that run sliced out before the reshape, so the reshape (a relayout copy on a
+    TPU, whose minor dim is tiled) moves the view's part and not the whole base. None when no base
+    dim narrows so."""
+    if inner[0] != "slice":
+        return None
+    groups = _split_dims(base, shape)
+    if groups is None:
+        return None
+    index = list(inner[1])
+    cut_index, cut, new_shape = [], [], []
+    for d, dims in enumerate(groups):
+        if not dims:  # a base dim of size 1
+            cut_index.append((0, 1, 1))
+            cut.append(1)
+            continue
+        first, rest = dims[0], dims[1:]
+        whole_rest = all(index[g] == (0, shape[g], 1) for g in rest)
+        e = index[first]
+        lo, hi = (e, e + 1) if isinstance(e, int) else (e[0], e[1])
+        if whole_rest and (lo, hi) != (0, shape[first]):
+            row = math.prod(shape[g] for g in rest)
+            cut_index.append((lo * row, hi * row, 1))
+            cut.append((hi - lo) * row)
+            new_shape += [hi - lo] + [shape[g] for g in rest]
+            index[first] = e - lo if isinstance(e, int) else (0, hi - lo, e[2])
+        else:
+            cut_index.append((0, base[d], 1))
+            cut.append(base[d])
+            new_shape += [shape[g] for g in dims]
+    if tuple(cut) == tuple(base):
+        return None
+    return ("cut", tuple(cut_index), tuple(cut), ("reshaped", tuple(new_shape), ("slice", tuple(index), *inner[2:])))
 
 
 def _refined_base(base: tuple[int, ...], size: tuple[int, ...], stride: tuple[int, ...]) -> tuple | None:
@@ -288,6 +343,8 @@ def _read(plan: tuple, base_shape, size, stride, offset, dtype, base):
         return jnp.broadcast_to(sub.reshape(plan[3]), size)
     if kind == "reshaped":
         return _read(plan[2], plan[1], size, stride, offset, dtype, base.reshape(plan[1]))
+    if kind == "cut":
+        return _read(plan[3], plan[2], size, stride, offset, dtype, base[_as_index(plan[1])])
     return base.reshape(-1)[_flat_index(size, stride, offset)]
 
 
@@ -308,6 +365,9 @@ def _write(plan: tuple, base_shape, size, stride, offset, dtype, base, value):
         return base.at[_as_index(plan[1])].set(sub)
     if kind == "reshaped":
         return _write(plan[2], plan[1], size, stride, offset, dtype, base.reshape(plan[1]), value).reshape(base_shape)
+    if kind == "cut":
+        index = _as_index(plan[1])
+        return base.at[index].set(_write(plan[3], plan[2], size, stride, offset, dtype, base[index], value))
     idx = _flat_index(size, stride, offset).reshape(-1)
     return base.reshape(-1).at[idx].set(value.reshape(-1)).reshape(base_shape)
 
