@@ -133,12 +133,14 @@ def test_generate_compiles_nothing_between_the_8th_and_32nd_token(model, how):
     assert torch_tpu.metrics()["host_op_counts"].get("aten.cat.default", 0) > 0
 
 
-def test_after_a_short_warm_up_a_long_generate_compiles_nothing_in_strict_mode(model):
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_after_a_short_warm_up_a_long_generate_compiles_nothing(model, mode):
     """A static cache of a fixed size, made whole before the first call and reset between calls: a
     4-token call, then a 32-token one that compiles nothing. Its first tokens take the warm-up's
     paths: a line whose shapes were found to grow runs on the host also where another line compiled
-    the call's signature (positions and the mask grow through cats of the same shapes). Greedy
-    tokens are CPU's. (Fused mode still records other traces in the long call: docs/inference.md.)"""
+    the call's signature (positions and the mask grow through cats of the same shapes); in fused
+    mode a call that line recorded on the device before is recorded again, so the long call's
+    prefill and first tokens make the warm-up's traces. Greedy tokens are CPU's."""
     from transformers import StaticCache
 
     prompt = _prompt(batch=2, length=8)
@@ -148,7 +150,7 @@ def test_after_a_short_warm_up_a_long_generate_compiles_nothing_in_strict_mode(m
     cache.early_initialization(2, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, torch.float32,
                                torch.device("tpu"))
     previous = torch_tpu.get_eager_mode()
-    torch_tpu.set_eager_mode("strict")
+    torch_tpu.set_eager_mode(mode)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

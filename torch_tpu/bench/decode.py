@@ -62,9 +62,9 @@ from torch_tpu.runtime import target as _target
 MODES = ("cpu", "fused", "compile", "compile-fused", "reduce-overhead", "strict", "jax")
 # decodes per mode: the first gives the first-token latency and the compiles; the last ``TIMED`` the
 # steady speed (their median: a single 32-token call lasts ~50 ms on CPU, short enough for the shared
-# machine's hiccups to move it by half). Two warm-ups, not one: the second call of a fused-mode
-# generate() still meets traces for the first time (the first call's prefill and warm-up cut them
-# differently) and compiles a couple more
+# machine's hiccups to move it by half). Two warm-ups: the first call compiles, and the second is
+# its first repeat, whose compiles ``compiles_after_first_call`` counts with the timed calls' (none:
+# a repeat takes the first call's paths, in fused mode its traces, see dispatch/host_placement.py)
 TIMED = 3
 CALLS = 2 + TIMED
 

@@ -54,6 +54,8 @@ MAX_ELEMENTS = 4096
 _progress: dict[tuple, tuple[tuple, tuple | None, int]] = {}
 _churning: set[tuple] = set()
 _churning_sites: set[tuple] = set()  # (op name, user line) of each pattern in _churning
+# (op name, user line, signature) of the bookkeeping calls fused mode recorded on the device
+_recorded_at: set[tuple] = set()
 
 
 def _pattern(spec: Any) -> Any:
@@ -138,14 +140,31 @@ def on_host(name: str, key: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def churned_here(name: str, args: tuple, kwargs: dict) -> bool:
+def churned_here(name: str, args: tuple, kwargs: dict, key: Any = None) -> bool:
     """Whether a cache miss of op ``name`` runs on the host at once: at a line where the op has
     churned before, with small integer inputs. A decoding loop's ``cat`` then skips working out its
     new signature's pattern at every token; a call with other ranks or dtypes at that line counts as
-    the same churn (which decides only where the op runs: its results are CPU's either way)."""
+    the same churn (which decides only where the op runs: its results are CPU's either way).
+
+    Except, given the call's signature ``key``, where fused mode recorded that same signature at that
+    line on the device before (:func:`recorded`): the call is recorded again, so a decoding loop's
+    second call records its first call's traces, which are compiled, instead of traces that a host
+    op cuts elsewhere (the prefill's, and the first tokens' before the line was found to churn)."""
     if not _churning_sites or CHURN_AFTER <= 0 or _storage._capture is not None:
         return False
-    return (name, fused.user_site()) in _churning_sites and _small_integers(args, kwargs)
+    site = fused.user_site()
+    if (name, site) not in _churning_sites:
+        return False
+    if key is not None and (name, site, key) in _recorded_at:
+        return False
+    return _small_integers(args, kwargs)
+
+
+def recorded(name: str, key: Any) -> None:
+    """Notes that fused mode recorded a call of bookkeeping op ``name`` with signature ``key`` on
+    the device at the caller's line (see :func:`churned_here`)."""
+    if CHURN_AFTER > 0 and len(_recorded_at) < 1 << 16:  # bounded: a line meets a few signatures
+        _recorded_at.add((name, fused.user_site(), key))
 
 
 def may_follow(args: tuple, kwargs: dict, avals: list) -> bool:

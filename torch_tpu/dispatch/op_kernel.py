@@ -580,13 +580,17 @@ class _OpKernel:
                 if plan is None:
                     return done
             program = plan.program
-            if program.host_follows and (
-                    (_host_placement.arrays_on_host(dyn) and _host_placement.inputs_on_host(args, kwargs))
-                    or _host_placement.churned_here(self.name, args, kwargs)):
-                # a host op's results in (nothing to wait for); or a line whose shapes churn, whose
-                # call found a program another line compiled: it runs where its line's calls run,
-                # so a decoding loop's second call takes its first call's paths
-                return _host_placement.run(self.op, args, kwargs, self.name)
+            if program.host_follows:
+                fusing = executor._mode is _FUSED
+                if ((_host_placement.arrays_on_host(dyn) and _host_placement.inputs_on_host(args, kwargs))
+                        or _host_placement.churned_here(self.name, args, kwargs, key if fusing else None)):
+                    # a host op's results in (nothing to wait for); or a line whose shapes churn,
+                    # whose call found a program another line compiled: it runs where its line's
+                    # calls run, so a decoding loop's second call takes its first call's paths (in
+                    # fused mode: its first call's traces, see churned_here)
+                    return _host_placement.run(self.op, args, kwargs, self.name)
+                if fusing:
+                    _host_placement.recorded(self.name, key)
             if lowering.random:
                 generator = kwargs.get("generator")
                 if generator is None and self.generator_at is not None and self.generator_at < len(args):
