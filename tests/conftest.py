@@ -62,8 +62,9 @@ def like_cpu(fn, *args, **kwargs) -> None:
 # --------------------------------------------------------------------- the TPU compile pass
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
-    """Under ``TORCH_TPU_TARGET`` (``make test-tpu-target``), every program the tests ran was also
-    compiled for that TPU chip: the session fails where one did not, and its report is printed."""
+    """Under ``TORCH_TPU_TARGET`` (``make test``'s target group, ``make test-tpu-target``), every
+    program the tests ran was also compiled for that TPU chip: the session fails where one did not,
+    and its report is printed."""
     import os
 
     from torch_tpu.runtime import target
