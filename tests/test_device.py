@@ -217,6 +217,38 @@ def test_host_round_trip_every_dtype():
         assert t.tolist() == c.tolist()
 
 
+@pytest.mark.parametrize("form", ["transposed", "sliced", "expanded", "conj", "neg", "grad", "complex32"])
+def test_uploading_a_strided_or_flagged_cpu_tensor_gives_its_values(form):
+    """Uploads take numpy's view of a plain CPU tensor as it is; views with strides, expanded
+    rows, conjugate and negative bits, tensors that require grad and dtypes numpy lacks give
+    CPU's values too, and the upload is a copy: writing the CPU tensor afterwards changes nothing."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    if form == "transposed":
+        c = base.t()
+    elif form == "sliced":
+        c = base[1:, ::2]
+    elif form == "expanded":
+        c = base[:1].expand(3, 6)
+    elif form == "conj":
+        c = torch.complex(base, -base).conj()
+        assert c.is_conj()
+    elif form == "neg":
+        c = torch.complex(base, base).conj()._neg_view()
+        assert c.is_neg()
+    elif form == "grad":
+        c = base.clone().requires_grad_()
+    else:
+        c = torch.complex(base, base).to(torch.complex32)
+    expected = c.detach().resolve_conj().resolve_neg().clone()
+    t = c.to("tpu")
+    assert t.dtype == c.dtype and t.shape == c.shape
+    base.add_(100)  # the source changes after the upload
+    got = t.cpu()
+    if got.dtype == torch.complex32:  # CPU torch compares no complex32
+        got, expected = got.to(torch.complex64), expected.to(torch.complex64)
+    assert torch.equal(got, expected)
+
+
 def test_int64_is_exact():
     big = torch.tensor([2**53 + 1, -(2**62)], dtype=torch.int64)
     t = big.to("tpu")

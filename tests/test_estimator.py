@@ -790,6 +790,15 @@ class _Freeze(Callback):
             self.opts[-1].param_groups[0]["momentum"] = 0.5
 
 
+class _FreezeLayer(Callback):
+    """Freezes the first layer's weight at step 3 (fine-tuning's usual move): the captured step's
+    gradients and updates were fixed for the parameters that required grad at capture."""
+
+    def on_step_end(self, est, logs):
+        if logs["step"] == 3:
+            self.model[0].weight.requires_grad_(False)
+
+
 _OPTS: list = []  # the optimizers the fallback test's factory made, for _Freeze
 _FALLBACKS = {
     "a host read in the loss": (dict(loss_fn=_host_read_loss), r"_local_scalar_dense.*cannot be captured"),
@@ -800,6 +809,8 @@ _FALLBACKS = {
     "Adagrad": (dict(optimizer=lambda p: torch.optim.Adagrad(p, lr=0.1)), r"Adagrad cannot be made capturable"),
     "a callback that changes a frozen number": (dict(callbacks=[_Freeze(_OPTS)]),
                                                 r"param group 0's 'momentum' changed between steps"),
+    "a callback that freezes a layer": (dict(callbacks=[_FreezeLayer()]),
+                                        r"which parameters require grad changed between steps"),
 }
 
 
@@ -818,8 +829,10 @@ def test_replay_falls_back_to_fused_mode_once_with_the_reason(cause):
         cpu_opt = lambda p: torch.optim.Adagrad(p, lr=0.1)  # noqa: E731
 
     def on_step(step, model, opt):
-        if "callback" in cause and step == 3:
+        if "frozen number" in cause and step == 3:
             opt.param_groups[0]["momentum"] = 0.5
+        if "freezes a layer" in cause and step == 3:
+            model[0].weight.requires_grad_(False)
 
     want = _cpu_loop(cpu, loader, cpu_opt, epochs=2, on_step=on_step)
     est = TPUEstimator(verbose=False)
@@ -829,6 +842,8 @@ def test_replay_falls_back_to_fused_mode_once_with_the_reason(cause):
         return _OPTS[-1]
 
     fit_kw = {k: v for k, v in kw.items() if k != "optimizer"}
+    for c in fit_kw.get("callbacks", ()):
+        c.model = tpu
     with pytest.warns(torch_tpu.estimator.ReplayFallback, match=reason) as caught:
         h = est.fit(tpu, loader, optimizer=factory, epochs=2, **fit_kw)
     assert len([w for w in caught if issubclass(w.category, torch_tpu.estimator.ReplayFallback)]) == 1
@@ -883,3 +898,37 @@ def test_a_loader_of_tpu_tensors_is_not_overwritten_by_replay():
     torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
     for (a, b), (ca, cb) in zip(batches, before):
         assert torch.equal(a.cpu(), ca) and torch.equal(b.cpu(), cb)
+
+
+def test_replayed_adam_keeps_its_step_counts_in_one_array_each_with_its_own_value():
+    """mode="auto" makes the per-parameter step counts of a capturable Adam views of one vector
+    (one array in and out of the replayed step instead of one per parameter). Each is still a
+    0-dim tensor counting the steps, the weights are CPU's, and the optimizer's state_dict saves
+    and loads as before."""
+    import io
+
+    data = classification_data(64)
+    cpu = mlp()
+    tpu = copy.deepcopy(cpu)
+    loader = DataLoader(data, batch_size=16)
+    want = _cpu_loop(cpu, loader, lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=2)
+    opts: list = []
+    h = TPUEstimator(verbose=False).fit(tpu, loader, epochs=2,
+                                        optimizer=lambda p: opts.append(torch.optim.AdamW(p, lr=1e-2)) or opts[-1])
+    assert h.execution == "replay"
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_weights_equal(tpu, cpu)
+    steps = [s["step"] for s in opts[-1].state.values()]
+    assert len(steps) == len(list(tpu.parameters())) > 1
+    assert len({id(t.untyped_storage()) for t in steps}) == 1  # one array
+    assert all(t.dim() == 0 and t.dtype == torch.float32 and t.device.type == "tpu" for t in steps)
+    assert [float(t) for t in steps] == [8.0] * len(steps)  # 4 batches x 2 epochs
+    buf = io.BytesIO()
+    torch.save(opts[-1].state_dict(), buf)
+    buf.seek(0)
+    again = torch.optim.AdamW(tpu.parameters(), lr=1e-2)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    loaded = [s["step"] for s in again.state.values()]
+    assert [float(t) for t in loaded] == [8.0] * len(steps)
+    loaded[0].add_(1)  # each its own count
+    assert [float(t) for t in loaded] == [9.0] + [8.0] * (len(steps) - 1)

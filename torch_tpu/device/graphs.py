@@ -436,12 +436,13 @@ class TPUGraph:
                     seed = _rng._seed
                 for p, k, which in self._rng:
                     args[p] = np.uint32(seed & 0xFFFF_FFFF if which == 0 else (base + k + 1) & 0xFFFF_FFFF)
-            donated = [args[p] for p in self._donate]
-            # references: args, the storage, donated, map's item; more means held elsewhere too
-            for p, n in zip(self._donate, map(sys.getrefcount, donated)):
-                if n > 4:
-                    args[p] = jnp.array(args[p], copy=True)
-            del donated
+            # references to a donated array: args, its storage, getrefcount's argument; more means
+            # another tensor holds it too, which keeps its value: it gets a copy to donate instead
+            counts = list(map(sys.getrefcount, map(args.__getitem__, self._donate)))
+            if counts and max(counts) > 3:
+                for p, n in zip(self._donate, counts):
+                    if n > 3:
+                        args[p] = jnp.array(args[p], copy=True)
             try:
                 prof = metrics.profile
                 outs = exe(*args) if prof is None else prof.timed(f"tpu graph ({self.ops} ops)", exe, *args)

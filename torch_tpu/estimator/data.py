@@ -109,17 +109,22 @@ _STRIDED = torch.strided
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t.to(device, non_blocking=True)``; a plain CPU tensor goes to tpu without torch's dispatch
     (half the cost of a small batch's copy, paid for every tensor of every batch)."""
-    if type(t) is torch.Tensor and device.type == "tpu" and t.device.type == "cpu" and t.layout is _STRIDED \
+    if type(t) is torch.Tensor and t.is_cpu and device.type == "tpu" and t.layout is _STRIDED \
             and not t.requires_grad:
         return _storage.new_tensor(tuple(t.shape), t.dtype, _transfer.host_to_device(t))
     return t.to(device, non_blocking=True)
 
 
-def split(raw: Any, device: Any, with_target: bool = True) -> Batch:
-    """Moves a raw batch to ``device`` (without blocking) and splits it into model inputs and target."""
-    n = batch_size(raw)
+def split(raw: Any, device: Any, with_target: bool = True, n: int | None = None) -> Batch:
+    """Moves a raw batch to ``device`` (without blocking) and splits it into model inputs and target.
+    ``n``: the batch's row count, when the caller has it."""
+    if n is None:
+        n = batch_size(raw)
     device = torch.device(device)
-    moved = map_tensors(raw, lambda t: to_device(t, device))
+    if type(raw) is tuple and all(type(t) is torch.Tensor for t in raw):  # the usual (inputs, target)
+        moved: Any = tuple([to_device(t, device) for t in raw])
+    else:
+        moved = map_tensors(raw, lambda t: to_device(t, device))
     if isinstance(moved, dict):
         return Batch((), moved, None, n, moved)
     if isinstance(moved, (tuple, list)):

@@ -27,6 +27,7 @@ from torch_tpu.estimator.history import History
 from torch_tpu.estimator.losses import LossConfigError
 from torch_tpu.estimator.placement import Feeder
 from torch_tpu.estimator.step import StepBuilder
+from torch_tpu.tensor import storage as _storage
 
 # the estimator's type, named rather than imported: estimator.py imports this module
 TPUEstimator = Any
@@ -221,7 +222,9 @@ class TrainLoop:
             self.save()
 
     def _read_loss(self, entry: dict, value: torch.Tensor) -> None:
-        v = float(value.item())
+        # the step's loss is a tpu tensor: read straight from its array (a sync point, counted,
+        # as item() is), without an op dispatch per step
+        v = float(_storage.to_numpy(value).item()) if value.device.type == "tpu" else float(value.item())
         entry["loss"] = v
         if not math.isfinite(v) and self.est.stop_on_nonfinite:
             raise FloatingPointError(

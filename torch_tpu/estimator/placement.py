@@ -100,7 +100,7 @@ class Placement:
             raw = pad_sequences(raw, self.bucket_lengths)
         padded = padding and full is not None and n < full and (
             any_form or (isinstance(raw, (tuple, list)) and len(raw) >= 2))
-        b = split(pad_rows(raw, full) if padded else raw, self.device, with_target=True)
+        b = split(pad_rows(raw, full) if padded else raw, self.device, with_target=True, n=full if padded else n)
         rows = full if padded else n
         b.size = n
         b.padded_to = full if padded else None

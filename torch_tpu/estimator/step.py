@@ -27,7 +27,8 @@ StepFn = Callable[[list[Batch]], torch.Tensor]
 
 def bucket_key(group: list[Batch]) -> tuple:
     """The shapes and dtypes a step's program depends on: the same key, the same program."""
-    return tuple((b.padded_to is not None, tuple((tuple(t.shape), t.dtype) for t in b.tensors())) for b in group)
+    # torch.Size is a tuple: it hashes and compares as one, so it goes in the key as it is
+    return tuple((b.padded_to is not None, tuple([(t.shape, t.dtype) for t in b.tensors()])) for b in group)
 
 
 class StepRunner:

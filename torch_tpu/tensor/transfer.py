@@ -56,9 +56,20 @@ def _make_put() -> Any:
 _put: list[Any] = []
 
 
+# dtypes whose CPU tensors numpy reads as they are (bfloat16 and complex32 need a reinterpretation)
+_NUMPY_NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
 def host_to_device(t: torch.Tensor) -> Any:
     """A jax array on tpu:0 with a private copy of a CPU tensor's data. *Uncommitted* (no device
-    named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed)."""
+    named), so jit may move it next to arrays sharded over a mesh (torch_tpu.distributed).
+
+    A plain tensor of a dtype numpy holds is copied straight from ``t.numpy()`` (C order, so a
+    strided view comes out contiguous): the general path's detach, contiguous and conj/neg
+    resolution cost more than the copy of a small batch, paid for every tensor of every batch."""
+    if t.dtype in _NUMPY_NATIVE and not t.requires_grad and not t.is_conj() and not t.is_neg():
+        return numpy_to_device(np.array(t.numpy(), copy=True, order="C"))
     return numpy_to_device(np.array(_dtypes.cpu_to_numpy(t), copy=True))
 
 
