@@ -122,6 +122,20 @@ def test_ops_on_host_results_stay_on_the_host_and_match_cpu():
         assert sum(torch_tpu.metrics()["host_op_counts"].values()) == before
 
 
+def test_a_loop_whose_lengths_were_compiled_before_still_moves_to_the_host():
+    """Programs compiled before for the lengths a loop reaches first (by another line, or an earlier
+    loop that stopped there) are cache hits for it: they still step its line's progression, so the
+    loop's line churns as it would in a fresh process and nothing compiles past those lengths."""
+    for n in (9, 6, 11, 7, 10, 8):  # one line, lengths in no progression: compiled, no churn
+        a = torch.arange(n, device="tpu").view(1, n).expand(2, n).clone()
+        torch.cat([a, a[:, -1:] + 1], dim=-1)
+    got, seen, compiles = _bookkeeping("tpu", 16)
+    want, want_seen, _ = _bookkeeping("cpu", 16)
+    assert torch.equal(got.cpu(), want)
+    assert all(a.dtype == b.dtype and torch.equal(a.cpu(), b) for a, b in zip(seen, want_seen))
+    assert compiles[-1] == compiles[5], compiles
+
+
 def _extend(ids, col):
     return torch.cat([ids, col], dim=-1)  # the one line every call below goes through
 

@@ -6,7 +6,10 @@ mask by one column per token (``torch.cat``) and reads the last column of each (
 grows), so each of those ops has a new shape, or a view at a new offset, at every token. Compiling
 them costs tenths of a second per token, while the tensors hold a few dozen integers.
 
-So the dispatcher asks here when an op misses its program cache (never on the hot path of a hit).
+So the dispatcher asks here when an op misses its program cache, and in strict mode when a
+program that may follow the host is hit with another signature than its last hit (a program
+compiled before, elsewhere, for a length the loop reaches: it still steps the loop's progression);
+never for a repeated signature.
 Only integer and boolean tensors qualify (ids, masks, positions: a model's activations never take
 this path), each of at most ``MAX_ELEMENTS`` elements, views counted by the storage they read. An
 op *pattern* is the op at one source line of the caller with its arguments' ranks and dtypes (the

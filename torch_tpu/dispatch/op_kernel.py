@@ -289,6 +289,8 @@ class _OpKernel:
         self.ints = _runtime_ints.WATCH if self.value_at or self.value_kw else None
         self.int_values: dict = {}  # a call's pattern -> the sets of ints it met
         self.int_sites: set = set()  # the user lines whose ints are runtime inputs
+        # the signature of the last cache hit of a program that may follow the host (see __call__)
+        self.follow_key: Any = None
         self.int_dynamic = {**self.dynamic, **{k: NUMBERS for k in self.value_kw},
                             **{positional[i]: NUMBERS for i in self.value_at}}
         self.int_pos_dynamic = [NUMBERS if i in self.value_at else d for i, d in enumerate(self.pos_dynamic)]
@@ -575,7 +577,8 @@ class _OpKernel:
             pos = tuple(pos)
             key = (pos, ()) if not kwargs and kind != "out" else self._signature(pos, args, kwargs, dyn)
             plan = self.plans.get(key)
-            if plan is None:
+            hit = plan is not None
+            if not hit:
                 plan, dyn, done = self._slow_path(args, kwargs, key)
                 if plan is None:
                     return done
@@ -591,6 +594,15 @@ class _OpKernel:
                     return _host_placement.run(self.op, args, kwargs, self.name)
                 if fusing:
                     _host_placement.recorded(self.name, key)
+                elif hit and key != self.follow_key:
+                    # a new signature that found a program compiled before (by another line, or an
+                    # earlier loop that stopped at some length) still steps its line's progression:
+                    # else a loop whose first lengths were compiled elsewhere compiles every length
+                    # past them until misses alone show the churn. A repeated signature costs a
+                    # comparison; the slow path already counted a miss
+                    self.follow_key = key
+                    if _host_placement.on_host(self.name, key, args, kwargs):
+                        return _host_placement.run(self.op, args, kwargs, self.name)
             if lowering.random:
                 generator = kwargs.get("generator")
                 if generator is None and self.generator_at is not None and self.generator_at < len(args):
