@@ -276,6 +276,30 @@ def test_steps_project_speed_and_which_side_binds(v5e):
     assert s["projected_steps_per_s"] == pytest.approx(1e3 / max(s["host_ms_per_step"], s["device_ms_per_step"]))
 
 
+def test_a_benchmarks_timed_window_begins_after_the_pending_compiles(v5e, monkeypatch):
+    """``snapshot()`` (where ``bench train`` and ``bench decode`` start timing) waits for the worker
+    thread's compiles of the warm-up's programs, which would otherwise share the cores with the
+    timed steps; the calls after it are what ``since`` projects. (Each compile is made slow here,
+    so that none has finished by itself when the snapshot is taken.)"""
+    import time
+
+    compile_for_target = _target._compile
+
+    def slow(*args):
+        time.sleep(0.3)
+        compile_for_target(*args)
+
+    monkeypatch.setattr(_target, "_compile", slow)
+    w = torch.randn(96, 96, device="tpu")
+    for _ in range(2):
+        ((w @ w).sin() @ w).cos().sum().cpu()
+    snap = _target.snapshot()
+    assert _target._results and all(r.future is None or r.future.done() for r in _target._results)
+    ((w @ w).sin() @ w).cos().sum().cpu()
+    out = _target.since(snap, 1, 1e-3)
+    assert out["failed_programs"] == 0 and out["device_ms_per_step"] > 0
+
+
 def test_projections_from_known_figures():
     chip = _target.CHIPS["v5e"]
     assert _target.roofline(197e12, 0, chip) == pytest.approx(1.0)

@@ -612,9 +612,7 @@ def report(wait: bool = True) -> TargetReport:
         raise RuntimeError("no tpu target is set: TORCH_TPU_TARGET=v5e, or torch_tpu.set_target('v5e')")
     chip = _target.chip
     if wait:
-        for r in list(_results):
-            if r.future is not None:
-                r.future.result()
+        _wait_pending()
     _tell()
     with _lock:
         results = list(_results)
@@ -649,9 +647,19 @@ def report(wait: bool = True) -> TargetReport:
 
 
 def snapshot() -> dict[int, int]:
-    """The calls counted so far per program: :func:`since` projects the steps run after it."""
+    """The calls counted so far per program: :func:`since` projects the steps run after it. Waits
+    for the pending compiles first, so that a benchmark's timed steps, which begin here, do not
+    share the machine's cores with the worker thread still compiling the warm-up's programs (on
+    two cores that doubled a decoding token's process CPU time)."""
+    _wait_pending()
     with _lock:
         return {i: r.calls for i, r in enumerate(_results)}
+
+
+def _wait_pending() -> None:
+    for r in list(_results):
+        if r.future is not None:
+            r.future.result()
 
 
 def since(snap: dict[int, int], steps: int, host_s: float) -> dict:
@@ -660,9 +668,7 @@ def since(snap: dict[int, int], steps: int, host_s: float) -> dict:
     chip, its HBM and the failed programs' count (the benchmark's ``"target"`` object)."""
     if _target is None:
         raise RuntimeError("no tpu target is set")
-    for r in list(_results):
-        if r.future is not None:
-            r.future.result()
+    _wait_pending()
     with _lock:
         results = list(_results)
     calls = {i: r.calls - snap.get(i, 0) for i, r in enumerate(results) if r.calls - snap.get(i, 0)}
