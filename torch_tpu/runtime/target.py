@@ -650,7 +650,7 @@ def snapshot() -> dict[int, int]:
     """The calls counted so far per program: :func:`since` projects the steps run after it. Waits
     for the pending compiles first, so that a benchmark's timed steps, which begin here, do not
     share the machine's cores with the worker thread still compiling the warm-up's programs (on
-    two cores that doubled a decoding token's process CPU time)."""
+    two cores that more than doubled a decoding token's process CPU time)."""
     _wait_pending()
     with _lock:
         return {i: r.calls for i, r in enumerate(_results)}
