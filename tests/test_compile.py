@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -566,6 +567,37 @@ def test_reduce_overhead_training_matches_cpu_and_keeps_outputs(mode):
     assert len({float(lt.detach()) for lt, _ in kept_tpu}) == len(kept_tpu)  # every step its own loss
     if torch_tpu.get_eager_mode() is not torch_tpu.EagerMode.DEBUG:  # debug mode runs each graph at once
         assert cache.cache_stats()["hits"] >= 3  # the repeated steps ran a compiled program again
+
+
+def test_a_compiled_decoding_step_writes_its_cache_in_place():
+    """In strict mode a no_grad graph that writes a buffer (a static KV cache's ``index_copy_``)
+    runs its executable at once and donates the buffer: the new values are written over the old
+    ones, in the same device memory, not into a copy of the cache per token; the results match
+    CPU. A buffer something else still holds is not donated: the holder keeps its values."""
+
+    def step(cache, pos, x):
+        cache.index_copy_(0, pos, x)
+        return (cache * 2).sum(0)
+
+    compiled = torch.compile(step, backend="tpu")
+    cache_cpu = torch.zeros(6, 4)
+    cache = cache_cpu.to("tpu")
+    with torch_tpu.set_eager_mode("strict"), torch.no_grad():
+        for i in range(4):
+            x, pos = torch.randn(1, 4), torch.tensor([i])
+            before = cache.untyped_storage()._jx.unsafe_buffer_pointer()
+            out = compiled(cache, pos.to("tpu") + 0, x.to("tpu"))  # a position the device computed
+            # the upload's array may alias its host copy on XLA:CPU, memory XLA does not own: the
+            # first step writes a new buffer, which the later steps then reuse
+            assert i == 0 or cache.untyped_storage()._jx.unsafe_buffer_pointer() == before
+            torch.testing.assert_close(out.cpu(), step(cache_cpu, pos, x))
+            torch.testing.assert_close(cache.cpu(), cache_cpu)
+        held = cache.untyped_storage()._jx
+        kept = np.asarray(held).copy()
+        compiled(cache, torch.tensor([5], device="tpu"), torch.ones(1, 4, device="tpu"))
+        assert np.array_equal(np.asarray(held), kept)
+        assert cache.untyped_storage()._jx.unsafe_buffer_pointer() != held.unsafe_buffer_pointer()
+        torch.testing.assert_close(cache.cpu()[5], torch.ones(4))
 
 
 def test_reduce_overhead_equals_default_mode():

@@ -203,6 +203,28 @@ def test_a_compiled_graph_checks_constant_positions_once(rows):
     assert checks.mark() == queued
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_a_compiled_graphs_index_checks_are_read_as_one_flag_and_the_failed_one_raises(mode):
+    """A graph with several index checks on values it computes (a decoding step's cache writes and
+    its token lookup) queues one flag per call for the host to read, not one per check; when the
+    second check fails, its own error, in CPU's words, is the one raised."""
+    from torch_tpu.runtime import checks
+
+    def f(x, i, j):
+        return x.index_select(0, (i * 3 + 1) // 3).sum() + _F.embedding((j * 3 + 1) // 3, x).sum()
+
+    x, good, bad = torch.randn(4, 8), torch.tensor([2]), torch.tensor([4])
+    compiled = torch.compile(f, backend="tpu", dynamic=False)
+    torch._dynamo.reset()
+    expected = _raised(lambda d: f(x.to(d), good.to(d), bad.to(d)), "cpu")
+    with torch_tpu.set_eager_mode(mode):
+        queued = checks.mark()
+        torch.testing.assert_close(compiled(x.to("tpu"), good.to("tpu"), good.to("tpu")).cpu(), f(x, good, good))
+        assert checks.mark() == queued + 1
+        with pytest.raises(type(expected), match=re.escape(str(expected)) + r" \(found on the device after the op"):
+            compiled(x.to("tpu"), good.to("tpu"), bad.to("tpu")).cpu()
+
+
 def _raised(f, device):
     try:
         f(device)

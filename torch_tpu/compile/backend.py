@@ -439,6 +439,7 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
     # bad value, its flat index), ``error`` then (the error builder, whether it takes the index, the
     # position of the graph input checked or None, the predicate, its parameters)
     checked: list[tuple[Callable[[dict], Any], Any, list]] = []
+    seen: set[tuple] = set()
     for n in nodes if checks else ():
         if n.op == "call_function" and n.target is _WITH_EFFECTS and n.args[1] in _DROPPED_EFFECTS:
             api_name = n.args[3] if len(n.args) > 3 else n.kwargs["api_name"]
@@ -451,6 +452,12 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                             [count]))
         elif n not in mutations and n.op == "call_function":
             for node, bad, params, error, position in _value_checks(n):
+                # the same check of the same values (a static cache's index_copy_ of each layer's
+                # keys and values at one position): computed and read once; of equal checks the first
+                # fails first, so its error is the one raised either way
+                if (node, bad, params) in seen:
+                    continue
+                seen.add((node, bad, params))
                 dtype = node.meta["val"].dtype
                 metas = [torch.empty((), dtype=d, device="meta") for d in (torch.bool, dtype, torch.int64)]
                 # a graph input's values may be on the host (token ids): checked there first, see run
@@ -496,13 +503,24 @@ def lower_graph(gm: torch.fx.GraphModule, skip: frozenset = frozenset(),
                 key = _rng.key_from(*next(rng_it)) if lowering.random else None
                 env[n] = _apply(lowering, key, args, kwargs, n.meta.get("val"), n.target)
             elif n.op == "output":
-                return (tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations)
-                        + tuple(x for value, _, _ in checked for x in value(env)))
+                found = tuple(x for value, _, _ in checked for x in value(env))
+                if grouped:  # any of the first_bad checks failed: the one flag the host reads
+                    at = 0
+                    flags = []
+                    for _, _, metas in checked:
+                        if len(metas) == 3:
+                            flags.append(found[at])
+                        at += len(metas)
+                    found += (functools.reduce(jnp.logical_or, flags),)
+                return tuple(val(a) for a in n.args[0]) + tuple(env[m] for m in device_mutations) + found
         raise AssertionError("graph without output")
 
-    # with ``checks``: after the outputs and mutations, each check's arrays (see ``checked``);
+    # with ``checks``: after the outputs and mutations, each check's arrays (see ``checked``), then,
+    # with more than one first_bad check (``fn.grouped``), whether any of those failed;
     # ``fn.checks`` holds (its error, the arrays' metas)
+    grouped = sum(1 for _, _, metas in checked if len(metas) == 3) > 1
     fn.checks = [(error, metas) for _, error, metas in checked]
+    fn.grouped = grouped
     return fn, n_random, out_metas
 
 
@@ -792,6 +810,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     ``inference``: AOTAutograd's inference graph (no autograd: a decoding step under no_grad). One
     that returns values runs as soon as it is called, see ``run``; one that returns nothing (an
     optimizer step, whose updates are its input mutations) waits, like a training step's graphs.
+    In strict mode, with nothing recorded, such a graph calls its executable itself rather than
+    record a one-graph trace and run it (a decoding step's host time: the trace's record, flush and
+    replay cost about as much as the rest of the call); the inputs it updates (a static KV cache)
+    are donated when nothing else holds their buffers, as the trace would donate them.
     """
     no_kernel = _without_tpu_kernel(gm)
     if no_kernel is not None:
@@ -802,9 +824,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     symbols = _size_symbols(placeholders)
     mutated = [placeholders.index(m.args[0]) for m in _mutations(gm) if m not in host_mutations]
     avals = None if _own_shapes(gm) else _static_avals(
-        out_metas + [placeholders[i].meta.get("val") for i in mutated] + [m for _, metas in fn.checks for m in metas])
+        out_metas + [placeholders[i].meta.get("val") for i in mutated] + [m for _, metas in fn.checks for m in metas]
+        + ([torch.empty((), dtype=torch.bool, device="meta")] if fn.grouped else []))
     run_host = _host_program(gm, host_nodes, host_outs) if host_outs or host_mutations else None
     cache: dict[tuple, Program] = {}
+    # per program (by id), the positions among its inputs of the arrays it updates: donated when
+    # it runs at once and nothing else holds them
+    updated_at: dict[int, tuple[int, ...]] = {}
     name = f"compiled graph ({len(gm.graph.nodes)} nodes)"
     graph_id = id(cache)
     n_out = len(out_metas)
@@ -814,6 +840,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     out_kinds = [2 if i in host_outs else 0 if isinstance(m, torch.Tensor) else 1 for i, m in enumerate(out_metas)]
     out_dtypes = [m.dtype if k == 0 else None for m, k in zip(out_metas, out_kinds)]
     checks = fn.checks
+    grouped = fn.grouped
     input_checks = any(len(metas) == 3 and error[2] is not None for error, metas in checks)
     Lazy = fused.Lazy
     trusted: list[Program] = []  # the one program, once Dynamo's guards stand for its key
@@ -862,9 +889,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
         program = Program(f"{name}, inputs #{signature:08x}", body, multi=True, avals=avals, key=labelled)
         if avals is not None:
             program.shapes[()] = avals  # known from the trace: recording skips the abstract run
+        in_arrays = (i for i, k in enumerate(key) if isinstance(k, tuple) and i not in host_at)
+        array_at = {i: j for j, i in enumerate(in_arrays)}  # input position -> its place among the arrays
+        updated_at[id(program)] = tuple(2 * n_random + array_at[i] for i in mutated if i in array_at)
         return program
 
     def run(args: list) -> list:
+        if runs_early and executor.runs_at_once():
+            return _run(args, True)
         previous = executor.defer()
         try:
             results = _run(args)
@@ -878,7 +910,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
             fused.flush(reason="inference graph")
         return results
 
-    def _run(args: list) -> list:
+    def _run(args: list, at_once: bool = False) -> list:
         arrays: list = []
         key: list = []
         host: dict[Any, list] = {}  # dtype -> the values of 0-d CPU inputs
@@ -965,11 +997,17 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
             if can_trust and not trusted and len(cache) == 1 and all(isinstance(k, tuple) for k in key):
                 trusted.append(program)
         # recorded, the graph is compiled by XLA with the trace that holds it, and counted there;
-        # in debug mode the program counts its own compile when it first runs
-        if n_random:
-            outs = execute(program, *[x for _ in range(n_random) for x in _rng.next_inputs()], *arrays, *vectors)
+        # run at once (debug mode, an inference graph in strict mode) the program counts its own compile
+        rng = [x for _ in range(n_random) for x in _rng.next_inputs()] if n_random else ()
+        if at_once:
+            v = None  # the input loop's last array: not a holder
+            # a buffer held by the argument list, the updated tensor's storage and getrefcount's
+            # argument alone: nothing reads it after the step, whose output replaces it
+            donate = tuple(p for p in updated_at[id(program)] if isinstance(arrays[p - len(rng)], jax.Array)
+                           and sys.getrefcount(arrays[p - len(rng)]) <= 3)
+            outs = program.run_donating(donate, *rng, *arrays, *vectors)
         else:
-            outs = execute(program, *arrays, *vectors)
+            outs = execute(program, *rng, *arrays, *vectors)
         arrays = None
         for t, v in zip(targets, outs[n_out:n_out + n_mutated]):
             st = t.untyped_storage()
@@ -982,14 +1020,21 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                 write(t, v)
         if checks:
             at = n_out + n_mutated
+            group: list | None = [] if grouped else None
             for i, (error, metas) in enumerate(checks):
                 if len(metas) == 3:  # found on the device with the step: deferred as it is
-                    if i not in on_host:
+                    if i in on_host:
+                        pass
+                    elif group is not None:
+                        group.append((outs[at], outs[at + 1], outs[at + 2], error[0], error[1]))
+                    else:
                         value_checks.defer_found(outs[at], outs[at + 1], outs[at + 2], error[0], error[1])
                 else:
                     meta = metas[0]
                     value_checks.check_values(new_tensor(tuple(meta.shape), meta.dtype, outs[at]), _nonzero, (), error)
                 at += len(metas)
+            if group:  # one flag read for all of them (a decoding step's cache writes and token lookup)
+                value_checks.defer_found_any(outs[at], group)
         results = []
         for i, (o, kind, dtype) in enumerate(zip(outs, out_kinds, out_dtypes)):
             if kind == 0:

@@ -21,9 +21,10 @@ _MAX_PENDING = 256  # past this many unread checks, resolve them (a sync) rather
 _queued = 0  # checks ever queued: an op's mark, so the checks of an op that then fails can go
 
 
-def defer(flag: Any, first: Any, error: Callable[[Any], Exception], site: str) -> None:
+def defer(flag: Any, first: Any, error: Callable[..., Exception], site: str) -> None:
     """Queues a check run on the device: ``flag`` (any bad element), ``first`` (the first bad value
-    and its flat index, both device values); ``error(value, index)`` builds the exception."""
+    and its flat index, both device values); ``error(value, index)`` builds the exception. With
+    ``first`` None (several checks read as one flag), ``error()`` finds what failed itself."""
     global _queued
     _settle_ready()
     _pending.append((flag, first, error, site))
@@ -71,8 +72,11 @@ def raise_pending() -> None:
 def _raise_failed(checks: list) -> None:
     for flag, first, error, site in checks:
         if bool(np.asarray(fused.concrete(flag))):
-            value, at = (np.asarray(fused.concrete(x)).item() for x in first)
-            e = error(value, at)
+            if first is None:
+                e = error()
+            else:
+                value, at = (np.asarray(fused.concrete(x)).item() for x in first)
+                e = error(value, at)
             note = (f" (found on the device after the op, called at {site}; "
                     "TORCH_TPU_EAGER_MODE=debug raises at the op itself)")
             raise type(e)(f"{e}{note}") from None

@@ -176,7 +176,8 @@ class Program:
     programs, since their names may not show it (a view's offset, the storage it reads).
     """
 
-    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "host_follows", "_jitted", "__weakref__")
+    __slots__ = ("name", "fn", "multi", "fixed", "shapes", "key", "host_follows", "_jitted", "_donating",
+                 "__weakref__")
 
     def __init__(self, name: str, fn: Callable[..., Any], multi: bool = False, avals: list | None = None,
                  key: tuple | None = None) -> None:
@@ -189,6 +190,7 @@ class Program:
         # an ATen op's program that may run on the host when its inputs are there (host_placement)
         self.host_follows = False
         self._jitted: Callable[..., Any] | None = None
+        self._donating: dict[tuple[int, ...], Callable[..., Any]] = {}  # see run_donating
 
     def _compile_and_run(self, *inputs: Any) -> Any:
         residency.before_compile()
@@ -209,6 +211,30 @@ class Program:
             return self._compile_and_run(*inputs)
         return jitted(*inputs)
 
+    def run_donating(self, donate: tuple[int, ...], *inputs: Any) -> Any:
+        """Runs the program now, letting XLA write its outputs over the buffers of the inputs at
+        ``donate``, which the caller holds nowhere else: a compiled decoding step's KV cache is then
+        updated in place, as fused mode's traces update theirs, without a copy of the cache per
+        token. One executable per set of donated inputs; its errors name the program."""
+        jitted = self._donating.get(donate)
+        try:
+            if jitted is not None:
+                return jitted(*inputs)
+            residency.before_compile()
+            jitted = jax.jit(self.fn, donate_argnums=donate)
+            if target.active():
+                jitted = target.watch(jitted, kind="program", name=self.name, fn=self.fn, ops=[self.name],
+                                      site=user_line, donate=donate)
+            self._donating[donate] = jitted
+            _compiled.add(self)
+            t0 = time.perf_counter()
+            out = jitted(*inputs)
+            metrics.count_compile(self.name, time.perf_counter() - t0)
+            cache.note_program_compile(self, fused.user_site())
+            return out
+        except Exception as e:
+            raise_named(e, self.name)
+
     def __repr__(self) -> str:
         return f"Program({self.name})"
 
@@ -226,6 +252,7 @@ _compiled: weakref.WeakSet[Program] = weakref.WeakSet()  # the programs holding 
 def _drop_compiled() -> None:
     for program in list(_compiled):
         program._jitted = None
+        program._donating.clear()
     _compiled.clear()
 
 
@@ -259,6 +286,13 @@ def run_now(program: Program, inputs: list) -> Any:
         return jitted(*inputs)
     except Exception as e:  # as execute: its own type, with the op named
         raise_named(e, program.name)
+
+
+def runs_at_once() -> bool:
+    """True when a program called now would run at once, op by op: strict mode with nothing
+    recorded, and no profile timing each program (a compiled decoding step then calls its
+    executable itself, see :meth:`Program.run_donating`)."""
+    return _mode is EagerMode.STRICT and not recording() and metrics.profile is None
 
 
 def synchronize() -> None:

@@ -97,6 +97,25 @@ def defer_found(flag: Any, first: Any, at: Any, error: Callable[..., Exception],
         pending.raise_pending()
 
 
+def defer_found_any(flag: Any, found: list[tuple]) -> None:
+    """Several checks a compiled graph computed, each as :func:`defer_found`'s arguments, deferred
+    as one: ``flag``, computed with them, says whether any failed, so the host reads one value per
+    call rather than one per check. The first failed one, in graph order, raises, as it would
+    have alone."""
+    site = fused.user_site()
+
+    def make() -> Exception:
+        for failed, first, at, error, position in found:
+            if bool(np.asarray(fused.concrete(failed))):
+                value, index = (np.asarray(fused.concrete(x)).item() for x in (first, at))
+                return error(value, index) if position else error(value)
+        raise AssertionError("a failed group of value checks without a failed member")
+
+    pending.defer(flag, None, make, f"{site[0]}:{site[1]}" if site else "?")
+    if executor.get_eager_mode() is EagerMode.DEBUG:
+        pending.raise_pending()
+
+
 def check_on_host(
     t: torch.Tensor, bad: Predicate, params: tuple, error: Callable[..., Exception], position: bool = False
 ) -> bool:
