@@ -215,7 +215,9 @@ class Program:
         """Runs the program now, letting XLA write its outputs over the buffers of the inputs at
         ``donate``, which the caller holds nowhere else: a compiled decoding step's KV cache is then
         updated in place, as fused mode's traces update theirs, without a copy of the cache per
-        token. One executable per set of donated inputs; its errors name the program."""
+        token. One executable per set of donated inputs; its errors name the program. The caller
+        holds one program per input signature (a compiled graph's, per its key), so a target
+        compiles it once, with no signature built per call."""
         jitted = self._donating.get(donate)
         try:
             if jitted is not None:
@@ -224,7 +226,7 @@ class Program:
             jitted = jax.jit(self.fn, donate_argnums=donate)
             if target.active():
                 jitted = target.watch(jitted, kind="program", name=self.name, fn=self.fn, ops=[self.name],
-                                      site=user_line, donate=donate)
+                                      site=user_line, donate=donate, fixed=True)
             self._donating[donate] = jitted
             _compiled.add(self)
             t0 = time.perf_counter()
