@@ -82,17 +82,26 @@ def measure(step: Callable[[], Any], read: Callable[[Any], float], extra_ms: flo
 
 
 def _null_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """A backend whose compiled graphs return the outputs of their first run without computing."""
+    """A backend whose compiled graphs return the outputs of their first run without computing.
+
+    Each call hands back fresh contiguous tensors over the first run's device arrays, as our
+    backend hands back its outputs: returning the first run's tensors themselves would keep every gradient
+    referenced between steps, and the autograd engine would then clone each one into ``.grad``
+    (an eager device op per parameter and step, which no real backend pays)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
+    from torch_tpu.tensor.storage import is_tpu, new_tensor, read
+
     def compiler(graph: torch.fx.GraphModule, _: list) -> Callable:
-        cached: list = []
+        cached: list | None = None
 
         def run(args: list) -> Any:
-            if not cached:
-                cached.append(graph(*args))
+            nonlocal cached
+            if cached is None:  # the first run computes (a graph may return nothing: the optimizer's)
+                cached = [(tuple(o.shape), o.dtype, read(o)) if isinstance(o, torch.Tensor) and is_tpu(o)
+                          else (None, None, o) for o in graph(*args)]
             args.clear()
-            return cached[0]
+            return [o if shape is None else new_tensor(shape, dtype, o) for shape, dtype, o in cached]
 
         run._boxed_call = True
         return run
