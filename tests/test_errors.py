@@ -225,6 +225,38 @@ def test_a_compiled_graphs_index_checks_are_read_as_one_flag_and_the_failed_one_
             compiled(x.to("tpu"), good.to("tpu"), bad.to("tpu")).cpu()
 
 
+def test_a_strict_ops_device_side_index_check_runs_in_the_ops_own_program(monkeypatch):
+    """In strict mode an op whose index the device computed (a decoding loop's ``index_copy_`` at
+    ``position + 1``) computes its bounds check in its own executable: one program run per call,
+    not the op's and a check program's. The check is deferred as before: a bad index raises CPU's
+    error at the next host read, and a good one gives CPU's result."""
+    from torch_tpu.runtime import checks, executor
+    from torch_tpu.tensor import value_checks
+
+    runs = []
+    run_now, execute = executor.run_now, executor.execute
+    monkeypatch.setattr(executor, "run_now", lambda prog, inputs: runs.append(prog.name) or run_now(prog, inputs))
+    monkeypatch.setattr(value_checks, "execute", lambda prog, *a: runs.append(prog.name) or execute(prog, *a))
+
+    def step(d, at):
+        out = torch.zeros(4, 8, dtype=torch.long, device=d)
+        return out.index_copy_(1, torch.tensor([at - 1], device=d) + 1, torch.full((4, 1), 7, device=d))
+
+    expected = _raised(lambda d: step(d, 8), "cpu")
+    with torch_tpu.set_eager_mode("strict"):
+        for _ in range(2):  # the first call plans and compiles; each runs one program
+            good = step("tpu", 5)
+            runs.clear()
+            queued = checks.mark()
+            good = step("tpu", 5)
+            assert [n for n in runs if "index_copy" in n or "value check" in n] == [runs[-1]]
+            assert "checking outside" in runs[-1] and checks.mark() == queued + 1
+        torch.testing.assert_close(good.cpu(), step("cpu", 5))
+        bad = step("tpu", 8)  # nothing raised at the op: the device has the index
+        with pytest.raises(type(expected), match=re.escape(str(expected)) + r" \(found on the device after the op"):
+            bad.cpu()
+
+
 def _raised(f, device):
     try:
         f(device)

@@ -54,6 +54,7 @@ from torch_tpu.tensor import math_bits as _math_bits
 from torch_tpu.tensor import out_dtypes as _out_dtypes
 from torch_tpu.tensor import overlap as _overlap
 from torch_tpu.tensor import storage as _storage
+from torch_tpu.tensor import value_checks as _value_checks
 from torch_tpu.tensor.meta import device_mismatch, meta_outputs, to_meta
 from torch_tpu.tensor.storage import TPU_DEVICE, base_array, is_tpu, new_tensor, read, read_view, set_base, write
 
@@ -118,6 +119,7 @@ def _spec(a: Any, dynamic: int, dyn: list, op_name: str) -> Any:
 
 _op_counts = metrics.op_counts  # never rebound (a reset clears it)
 _FUSED = executor.EagerMode.FUSED  # the mode read directly: recording() is a call more per tensor
+_STRICT = executor.EagerMode.STRICT
 _SLOW = object()  # _key_of's answer for an argument only _spec handles
 _Lazy = fused.Lazy
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
@@ -544,12 +546,19 @@ class _OpKernel:
         _op_counts[self.name] += 1
         lowering = self.lowering
         mark = -1
+        found = None  # in strict mode: the checks only the device can make, run with the op's program
         if lowering.check is not None:  # reads values on the host: never recorded
             mark = checks.mark()
             try:
                 if executor.recording():
                     with executor.eager_section():
                         lowering.check(*args, **kwargs)
+                elif executor._mode is _STRICT:
+                    previous = _value_checks.start_joining()
+                    try:
+                        lowering.check(*args, **kwargs)
+                    finally:
+                        found = _value_checks.stop_joining(previous) or None
                 else:
                     lowering.check(*args, **kwargs)
             except Exception as e:
@@ -581,6 +590,8 @@ class _OpKernel:
             if not hit:
                 plan, dyn, done = self._slow_path(args, kwargs, key)
                 if plan is None:
+                    if found:  # it ran elsewhere (on the host, a view's own path): its checks alone
+                        _value_checks.run_alone(found)
                     return done
             program = plan.program
             if program.host_follows:
@@ -591,6 +602,8 @@ class _OpKernel:
                     # whose call found a program another line compiled: it runs where its line's
                     # calls run, so a decoding loop's second call takes its first call's paths (in
                     # fused mode: its first call's traces, see churned_here)
+                    if found:
+                        _value_checks.run_alone(found)
                     return _host_placement.run(self.op, args, kwargs, self.name)
                 if fusing:
                     _host_placement.recorded(self.name, key)
@@ -602,6 +615,8 @@ class _OpKernel:
                     # comparison; the slow path already counted a miss
                     self.follow_key = key
                     if _host_placement.on_host(self.name, key, args, kwargs):
+                        if found:
+                            _value_checks.run_alone(found)
                         return _host_placement.run(self.op, args, kwargs, self.name)
             if lowering.random:
                 generator = kwargs.get("generator")
@@ -609,7 +624,13 @@ class _OpKernel:
                     generator = args[self.generator_at]
                 dyn[:0] = _rng.next_inputs() if generator is None else _rng.inputs_from(generator)
             recording = executor._mode is _FUSED or executor.recording()
-            outs = fused.record(program, dyn) if recording else executor.run_now(program, dyn)
+            if found is None:
+                outs = fused.record(program, dyn) if recording else executor.run_now(program, dyn)
+            elif recording:
+                _value_checks.run_alone(found)
+                outs = fused.record(program, dyn)
+            else:  # one executable for the op and its checks
+                outs = _value_checks.run_joined(program, dyn, found)
             avals, exact = plan.avals, plan.exact
             if kind == "functional":
                 if exact is True:

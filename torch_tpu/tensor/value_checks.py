@@ -8,9 +8,11 @@ has caught up: a sync per embedding lookup. So a check runs where the values alr
   runs there, at the op, with no device read. This covers batches of token ids and targets;
 - in debug mode the values are read from the device (a sync), and the check raises at the op;
 - otherwise (indices the device computes, such as ``torch.arange(T, device="tpu")``) the check
-  is a small program that runs with the step, and its error is raised at the next host read
-  (``.item()``, ``.cpu()``, ``torch_tpu.sync()``), naming the op and the line that called it, as
-  CUDA reports a device-side assert. Debug mode gives the exact place;
+  runs on the device, and its error is raised at the next host read (``.item()``, ``.cpu()``,
+  ``torch_tpu.sync()``), naming the op and the line that called it, as CUDA reports a
+  device-side assert. Debug mode gives the exact place. In strict mode the op's own program
+  computes the check with its results (:func:`run_joined`: one executable call per op, not two);
+  in fused mode the check's small program is recorded with the step;
 - in a compiled graph (``torch.compile(backend="tpu")``) the same checks are found when the graph
   is lowered (:func:`collecting`) and computed by the graph's own program as extra outputs
   (:func:`first_bad`), then deferred like the eager ones (:func:`defer_found`): no program more.
@@ -161,8 +163,77 @@ def check_values(
         return
     if check_on_host(t, bad, params, error, position):
         return
+    if _joining is not None:  # computed by the op's own program (run_joined)
+        _joining.append((read(t), bad, params, error, position))
+        return
+    _check_on_device(read(t), bad, params, error, position)
+
+
+def _check_on_device(values: Any, bad: Predicate, params: tuple, error: Callable[..., Exception],
+                     position: bool) -> None:
     with executor.outer_mode():  # in fused mode: recorded with the step, not run on the spot
-        flag, first, at = execute(_program(bad, params), read(t))
+        flag, first, at = execute(_program(bad, params), values)
     site = fused.user_site()
     make = error if position else (lambda v, _at: error(v))
     pending.defer(flag, (first, at), make, f"{site[0]}:{site[1]}" if site else "?")
+
+
+# While a strict-mode op makes its checks: those only the device can make, kept for the op's own
+# program to compute (run_joined) rather than run as a program of their own
+_joining: list | None = None
+# (op program, the checks' predicates, parameters and value shapes) -> the program computing both
+_joined: dict[tuple, Program] = {}
+
+
+def start_joining() -> list | None:
+    """From here to :func:`stop_joining`, :func:`check_values` keeps each check that needs the
+    device (values the host does not have) instead of running its program: a strict-mode op then
+    computes them with its own results (:func:`run_joined`), one executable call instead of two per
+    checked op (a decoding loop's ``index_copy_`` at a position the device computed). Returns what
+    :func:`stop_joining` restores."""
+    global _joining
+    previous, _joining = _joining, []
+    return previous
+
+
+def stop_joining(previous: list | None) -> list:
+    """Ends :func:`start_joining`: the checks kept, each ``(values, predicate, params, error,
+    position)``, for :func:`run_joined` or, where the op does not run its program after all,
+    :func:`run_alone`."""
+    global _joining
+    found, _joining = _joining, previous
+    return found
+
+
+def run_alone(found: list) -> None:
+    """The checks :func:`stop_joining` returned, each run as its own program, as
+    :func:`check_values` runs them outside an op: for an op that ran elsewhere (on the host, or
+    recorded)."""
+    for values, bad, params, error, position in found:
+        _check_on_device(values, bad, params, error, position)
+
+
+def run_joined(program: Program, inputs: list, found: list) -> Any:
+    """Runs op ``program`` on ``inputs`` now, with the checks :func:`stop_joining` returned
+    computed by the same executable (:func:`first_bad` of each as extra outputs), and defers them
+    as :func:`check_values` does. Returns the program's own outputs. One program per op signature
+    and set of checks, compiled the first time."""
+    key = (program, tuple([(bad, params, v.shape, v.dtype) for v, bad, params, _, _ in found]))
+    joined = _joined.get(key)
+    if joined is None:
+        joined = _joined[key] = _joined_program(program, key[1], len(inputs))
+    outs, flags = executor.run_now(joined, [*inputs, *[f[0] for f in found]])
+    for (_, _, _, error, position), (flag, first, at) in zip(found, flags):
+        defer_found(flag, first, at, error, position)
+    return outs
+
+
+def _joined_program(program: Program, specs: tuple, n: int) -> Program:
+    fn = program.fn
+
+    def both(*inputs: Any) -> tuple:
+        checked = tuple(first_bad(bad, params, v) for (bad, params, _, _), v in zip(specs, inputs[n:]))
+        return fn(*inputs[:n]), checked
+
+    names = ", ".join(f"{bad.__name__}{params}" for bad, params, _, _ in specs)
+    return Program(f"{program.name} checking {names}", both, multi=True, key=program.key)
