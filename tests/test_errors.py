@@ -252,6 +252,11 @@ def test_a_strict_ops_device_side_index_check_runs_in_the_ops_own_program(monkey
             assert [n for n in runs if "index_copy" in n or "value check" in n] == [runs[-1]]
             assert "checking outside" in runs[-1] and checks.mark() == queued + 1
         torch.testing.assert_close(good.cpu(), step("cpu", 5))
+        # the same op with an index the host has (checked there) runs the same program: no compile
+        out, token = torch.zeros(4, 8, dtype=torch.long, device="tpu"), torch.full((4, 1), 7, device="tpu")
+        compiled = torch_tpu.metrics()["compile_count"]
+        torch.testing.assert_close(out.index_copy_(1, torch.tensor([5], device="tpu"), token).cpu(), step("cpu", 5))
+        assert torch_tpu.metrics()["compile_count"] == compiled
         bad = step("tpu", 8)  # nothing raised at the op: the device has the index
         with pytest.raises(type(expected), match=re.escape(str(expected)) + r" \(found on the device after the op"):
             bad.cpu()

@@ -162,9 +162,11 @@ def check_values(
         _collected.append((t, bad, params, error, position))
         return
     if check_on_host(t, bad, params, error, position):
+        if _joining is not None and t.device.type != "cpu":  # see run_joined: the program's inputs
+            _joining.append((t, bad, params, error, position, False))
         return
     if _joining is not None:  # computed by the op's own program (run_joined)
-        _joining.append((read(t), bad, params, error, position))
+        _joining.append((t, bad, params, error, position, True))
         return
     _check_on_device(read(t), bad, params, error, position)
 
@@ -186,45 +188,61 @@ _joined: dict[tuple, Program] = {}
 
 
 def start_joining() -> list | None:
-    """From here to :func:`stop_joining`, :func:`check_values` keeps each check that needs the
-    device (values the host does not have) instead of running its program: a strict-mode op then
-    computes them with its own results (:func:`run_joined`), one executable call instead of two per
-    checked op (a decoding loop's ``index_copy_`` at a position the device computed). Returns what
-    :func:`stop_joining` restores."""
+    """From here to :func:`stop_joining`, :func:`check_values` keeps each check of a tpu tensor,
+    made on the host or not, and runs no program for one that needs the device (values the host
+    does not have): a strict-mode op then computes those with its own results
+    (:func:`run_joined`), one executable call instead of two per checked op (a decoding loop's
+    ``index_copy_`` at a position the device computed). Returns what :func:`stop_joining` restores."""
     global _joining
     previous, _joining = _joining, []
     return previous
 
 
 def stop_joining(previous: list | None) -> list:
-    """Ends :func:`start_joining`: the checks kept, each ``(values, predicate, params, error,
-    position)``, for :func:`run_joined` or, where the op does not run its program after all,
-    :func:`run_alone`."""
+    """Ends :func:`start_joining`: the checks kept, each ``(tensor, predicate, params, error,
+    position, needs the device)``, for :func:`run_joined` or, where the op does not run its program
+    after all, :func:`run_alone`."""
     global _joining
     found, _joining = _joining, previous
     return found
 
 
 def run_alone(found: list) -> None:
-    """The checks :func:`stop_joining` returned, each run as its own program, as
-    :func:`check_values` runs them outside an op: for an op that ran elsewhere (on the host, or
+    """The checks :func:`stop_joining` returned that need the device, each run as its own program,
+    as :func:`check_values` runs them outside an op: for an op that ran elsewhere (on the host, or
     recorded)."""
-    for values, bad, params, error, position in found:
-        _check_on_device(values, bad, params, error, position)
+    for t, bad, params, error, position, on_device in found:
+        if on_device:
+            _check_on_device(read(t), bad, params, error, position)
 
 
 def run_joined(program: Program, inputs: list, found: list) -> Any:
-    """Runs op ``program`` on ``inputs`` now, with the checks :func:`stop_joining` returned
-    computed by the same executable (:func:`first_bad` of each as extra outputs), and defers them
-    as :func:`check_values` does. Returns the program's own outputs. One program per op signature
-    and set of checks, compiled the first time."""
-    key = (program, tuple([(bad, params, v.shape, v.dtype) for v, bad, params, _, _ in found]))
+    """Runs op ``program`` on ``inputs`` now, with its checks (:func:`stop_joining`) that need the
+    device computed by the same executable (:func:`first_bad` of each as extra outputs), deferred
+    as :func:`check_values` defers them. Returns the program's own outputs.
+
+    The joined program takes the values of every check of the call, those the host made too (their
+    results unread), so that one op signature has one program whichever of its index tensors the
+    host holds on a given call (an embedding's indices computed now on the device, now on the
+    host): it is compiled when a call first needs the device for a check and the op's own program
+    has not been compiled, and used for every later call that needs the device, or that does not
+    while the op's own program still has not been compiled. Otherwise the calls keep the program
+    they had (the op's own, and the checks alone): no program is compiled that the two separate
+    ones would not have compiled."""
+    needs = [f for f in found if f[5]]
+    if not needs and program._jitted is not None:
+        return executor.run_now(program, inputs)
+    key = (program, tuple([(bad, params, tuple(t.shape), t.dtype) for t, bad, params, _, _, _ in found]))
     joined = _joined.get(key)
     if joined is None:
+        if not needs or program._jitted is not None:
+            run_alone(needs)
+            return executor.run_now(program, inputs)
         joined = _joined[key] = _joined_program(program, key[1], len(inputs))
-    outs, flags = executor.run_now(joined, [*inputs, *[f[0] for f in found]])
-    for (_, _, _, error, position), (flag, first, at) in zip(found, flags):
-        defer_found(flag, first, at, error, position)
+    outs, flags = executor.run_now(joined, [*inputs, *[read(f[0]) for f in found]])
+    for (_, _, _, error, position, on_device), (flag, first, at) in zip(found, flags):
+        if on_device:
+            defer_found(flag, first, at, error, position)
     return outs
 
 
