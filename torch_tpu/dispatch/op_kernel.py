@@ -546,7 +546,7 @@ class _OpKernel:
         _op_counts[self.name] += 1
         lowering = self.lowering
         mark = -1
-        found = None  # in strict mode: the checks only the device can make, run with the op's program
+        found = None  # strict mode: the op's checks, those the device must make run by its program
         if lowering.check is not None:  # reads values on the host: never recorded
             mark = checks.mark()
             try:
