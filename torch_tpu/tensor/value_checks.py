@@ -180,8 +180,8 @@ def _check_on_device(values: Any, bad: Predicate, params: tuple, error: Callable
     pending.defer(flag, (first, at), make, f"{site[0]}:{site[1]}" if site else "?")
 
 
-# While a strict-mode op makes its checks: those only the device can make, kept for the op's own
-# program to compute (run_joined) rather than run as a program of their own
+# While a strict-mode op makes its checks: each check of a tpu tensor, kept so that those only the
+# device can make are computed by the op's own program (run_joined), not a program of their own
 _joining: list | None = None
 # (op program, the checks' predicates, parameters and value shapes) -> the program computing both
 _joined: dict[tuple, Program] = {}
