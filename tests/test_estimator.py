@@ -305,6 +305,31 @@ def test_clear_errors(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_step_losses_are_read_a_few_steps_at_a_time_and_a_nan_still_names_its_step(monkeypatch):
+    """The loop reads its losses as one transfer per few steps, not one per step, and each step's
+    loss is still CPU's; a NaN loss raises naming its own step, however late it was read."""
+    from torch_tpu.estimator import loop
+    from torch_tpu.tensor import storage
+
+    reads = []
+    many = storage.to_numpy_many
+    monkeypatch.setattr(storage, "to_numpy_many", lambda ts: reads.append(len(ts)) or many(ts))
+    data = classification_data(40 * 4)
+    loader = DataLoader(data, batch_size=4)
+    want = cpu_reference(mlp(), loader, nn.functional.cross_entropy)
+    est = TPUEstimator(verbose=False)
+    h = est.fit(mlp(), loader, log_every=1000)
+    torch.testing.assert_close(torch.tensor(h.loss), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert sum(reads) == 40 and len(reads) < 40 // (loop.STEPS_IN_FLIGHT - loop.STEPS_QUEUED) + 2, reads
+    assert max(reads) == loop.STEPS_IN_FLIGHT + 1 - loop.STEPS_QUEUED, reads
+
+    x, y = data.tensors
+    x = x.clone()
+    x[2 * 4 + 1] = float("nan")  # a row of the third batch: step 3's loss
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 3 \(epoch 0, batch 2\)"):
+        TPUEstimator(verbose=False).fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=4), log_every=1000)
+
+
 # ---------------------------------------------------------------------- modes and precision
 def test_compile_mode_matches_cpu_and_a_scheduler_does_not_recompile():
     torch._dynamo.reset()

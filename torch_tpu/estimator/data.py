@@ -40,8 +40,18 @@ class Batch:
         which finds its own.)"""
         flat = self.__dict__.get("_flat")
         if flat is None:
-            flat = self.__dict__["_flat"] = tensors_in((self.args, self.kwargs, self.target, self.mask))
+            args, target, mask = self.args, self.target, self.mask
+            if not self.kwargs and all(type(a) is torch.Tensor for a in args) and type(target) in _PLAIN:
+                # the usual (inputs, target) batch: its list made directly, the nest's walk costs
+                # more than the rest of a replayed step's bookkeeping on the batch
+                flat = [*args, *([] if target is None else [target]), *([] if mask is None else [mask])]
+            else:
+                flat = tensors_in((args, self.kwargs, target, mask))
+            self.__dict__["_flat"] = flat
         return flat
+
+
+_PLAIN = (torch.Tensor, type(None))
 
 
 def map_tensors(obj: Any, fn: Any) -> Any:

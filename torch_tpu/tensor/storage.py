@@ -18,6 +18,7 @@ import warnings
 import weakref
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -721,6 +722,19 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     metrics.transfer_bytes["device_to_host"] += a.nbytes
     checks.raise_pending()
     return a
+
+
+def to_numpy_many(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """:func:`to_numpy` of several tpu tensors as one sync point: their copies to the host are
+    started together and then waited for (a training loop's step losses, read a few steps late)."""
+    if _capture is not None:
+        _capture.host_read()
+    if host_reads.mode:
+        host_reads.synchronizing()
+    out = jax.device_get([read_array(t) for t in tensors])
+    metrics.transfer_bytes["device_to_host"] += sum(a.nbytes for a in out)
+    checks.raise_pending()
+    return out
 
 
 # id(array) -> (a weak reference to it, its host data, the value checks it passed: see passed_checks,
