@@ -18,7 +18,6 @@ import warnings
 import weakref
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -725,13 +724,15 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def to_numpy_many(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """:func:`to_numpy` of several tpu tensors as one sync point: their copies to the host are
-    started together and then waited for (a training loop's step losses, read a few steps late)."""
+    """:func:`to_numpy` of several tpu tensors as one sync point (a training loop's step losses,
+    read a few steps late, when the device has finished them): each array read as it is, which
+    costs about a microsecond for a ready scalar; ``jax.device_get`` of the list costs 25 times
+    that."""
     if _capture is not None:
         _capture.host_read()
     if host_reads.mode:
         host_reads.synchronizing()
-    out = jax.device_get([read_array(t) for t in tensors])
+    out = [np.asarray(read_array(t)) for t in tensors]
     metrics.transfer_bytes["device_to_host"] += sum(a.nbytes for a in out)
     checks.raise_pending()
     return out
