@@ -1,7 +1,7 @@
 """The train loop of ``fit``: epochs of steps, the losses read back late, progress, callbacks,
 validation and checkpoints.
 
-Step losses stay on the device: the host reads them a few at a time, as one transfer, once
+Step losses stay on the device: the host reads them a few at a time, as one sync point, once
 ``STEPS_IN_FLIGHT`` are pending, leaving the last ``STEPS_QUEUED`` unread (and all of them at
 ``log_every`` steps, before checkpoints, and when a step-end callback looks at its logs), so the
 device never waits for Python between steps, and the host pays one read per few steps.
@@ -36,9 +36,10 @@ TPUEstimator = Any
 log = logging.getLogger("torch_tpu.estimator")
 
 # Losses not yet read: past STEPS_IN_FLIGHT, all but the last STEPS_QUEUED are read at once. A
-# read per step (the last two left queued) cost gpt-tiny's replayed step about a tenth of its
-# time: the host waited on the device every step. A NaN loss still stops training, naming its step,
-# at most STEPS_IN_FLIGHT steps later (at once where a checkpoint is due: save() reads them all).
+# read per step (the last two left queued) made the host wait on the device at every step
+# (docs/performance.md has gpt-tiny's replayed step measured both ways). A NaN loss still stops
+# training, naming its step, at most STEPS_IN_FLIGHT steps later (at once where a checkpoint is
+# due: save() reads them all).
 STEPS_IN_FLIGHT = 16
 STEPS_QUEUED = 2
 _END = object()
@@ -228,8 +229,8 @@ class TrainLoop:
             self.save()
 
     def _read_losses(self, pending: list[tuple[dict, torch.Tensor]]) -> None:
-        # the steps' losses are tpu tensors: read straight from their arrays, all in one transfer
-        # (one sync point, counted as an item() is), without an op dispatch per step
+        # the steps' losses are tpu tensors: read straight from their arrays, all at one sync
+        # point (counted as an item() is), without an op dispatch per step
         values = [v for _, v in pending]
         if all(v.device.type == "tpu" for v in values):
             read = [float(a.item()) for a in _storage.to_numpy_many(values)]
