@@ -479,3 +479,66 @@ def test_copy_from_tpu_into_a_cpu_negative_view_like_cpu():
     want._neg_view().copy_(src)
     got._neg_view().copy_(src.to("tpu"))
     torch.testing.assert_close(got, want)
+
+
+_VIEW_BATTERY = """
+import torch, torch_tpu
+from torch_tpu.dispatch import op_kernel
+x = torch.arange(24.0).reshape(2, 3, 4)
+t = x.to("tpu")
+views = (
+    lambda a: a.transpose(0, 2), lambda a: a[:, 1:, ::2], lambda a: a.view(6, 4), lambda a: a.unfold(2, 2, 1),
+    lambda a: a.flatten(), lambda a: a.as_strided((3, 3), (2, 1), 1), lambda a: a.unsqueeze(0).expand(2, 2, 3, 4),
+    lambda a: a.view(torch.int32)[0], lambda a: a[1].t().reshape(12), lambda a: a.select(1, 2).diagonal(),
+)
+for make in views:
+    c, d = make(x), make(t)
+    assert (d.shape, d.stride(), d.storage_offset(), d.dtype) == (c.shape, c.stride(), c.storage_offset(), c.dtype)
+    assert torch.equal(d.cpu(), c)
+    shares = d.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert shares == (c.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
+for bad in (lambda a: a.as_strided((5, 6), (6, 1)), lambda a: a.transpose(0, 2).view(24), lambda a: a.unfold(2, 5, 1)):
+    errors = []
+    for a in (x, t):
+        try:
+            bad(a)
+            errors.append(None)
+        except Exception as e:
+            errors.append((type(e), str(e)))
+    assert errors[0] is not None and errors[0] == errors[1], errors
+torch_tpu.reset_metrics()
+t.t() if t.dim() == 2 else t.transpose(1, 2)[0]
+print(op_kernel.REGISTERED["aten.as_strided.default"], torch_tpu.metrics()["op_counts"].get("aten.as_strided.default"))
+"""
+
+
+def test_views_are_cpus_own_kernels_and_count_in_metrics():
+    """With the C++ extension the tpu views are CPU's own kernels (csrc/views.cpp): the same sizes,
+    strides, offsets, storage and errors as CPU, each call still counted in metrics(), which a reset
+    clears."""
+    import subprocess
+    import sys
+
+    from torch_tpu.core import extension
+
+    if not extension.views_in_cpp():
+        pytest.skip(f"the C++ extension serves no views here: {extension.why_not() or 'TORCH_TPU_PYTHON_VIEWS=1'}")
+    from torch_tpu.dispatch import op_kernel
+
+    assert op_kernel.REGISTERED["aten.as_strided.default"] == "view (C++)"
+    namespace: dict = {}
+    exec(_VIEW_BATTERY, namespace)  # noqa: S102 - the same checks as the Python kernels' run below
+    x = torch.arange(12.0, device="tpu").reshape(3, 4)
+    torch_tpu.reset_metrics()
+    x.t()[1:]
+    x.view(12)
+    counts = torch_tpu.metrics()["op_counts"]
+    assert counts.get("aten.as_strided.default") == 2 and counts.get("aten.view.default") == 1, counts
+    torch_tpu.reset_metrics()
+    assert "aten.as_strided.default" not in torch_tpu.metrics()["op_counts"]
+    # the Python kernels (without the extension, or TORCH_TPU_PYTHON_VIEWS=1) pass the same checks
+    import os
+
+    r = subprocess.run([sys.executable, "-c", _VIEW_BATTERY], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TORCH_TPU_PYTHON_VIEWS": "1"})
+    assert r.returncode == 0 and r.stdout.split()[-3:] == ["view", "(meta)", "2"], (r.stdout, r.stderr[-3000:])

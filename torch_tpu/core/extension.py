@@ -1,6 +1,6 @@
 """torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
 
-Today that is five things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+Today that is six things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
 only through a factory registered from C++ (``csrc/generator.cpp``). Nested tensors: torch's
 device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
 write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``nested``).
@@ -9,7 +9,10 @@ forwarding to ``torch.tpu``'s graphs (``csrc/graph.cpp``). The device's host all
 ``torch.accelerator.empty_host_cache`` asks for (``csrc/host_allocator.cpp``). And the device guard
 (the device index and stream torch's C++ sets around kernels and backward nodes): torch's Python
 registration answers each guard operation by calling Python, over a thousand times per small
-training step; ``csrc/device_guard.cpp`` gives the same answers in C++.
+training step; ``csrc/device_guard.cpp`` gives the same answers in C++. The sixth is speed alone: the
+view kernels (``as_strided``, ``view``, ``_reshape_alias``, ``_unsafe_view``, ``unfold``), CPU's own,
+so that a transpose or slice does not call into Python and back (``csrc/views.cpp``; about a third of
+a small step's eager ops); their calls are counted there and folded into ``metrics()``.
 
 **When it is built.** At the first ``import torch_tpu`` that finds no build for the installed torch
 (a one-line message says so while it compiles, about two minutes), into a per-user cache with one
@@ -26,7 +29,8 @@ cannot be made (torch raises its own error), and a CPU ``torch.Generator`` seeds
 instead (``rng``); an op on a nested tpu tensor raises NotImplementedError saying the extension is
 missing; ``torch.accelerator.Graph`` raises torch's "not supported on device type: tpu"
 (``torch.tpu.graph`` works); on torch 2.13 ``torch.accelerator.empty_host_cache()`` crashes once a tpu
-tensor exists (torch's null pointer); and device guards call Python (slower; the same answers).
+tensor exists (torch's null pointer); and device guards and views call Python (slower; the same
+answers).
 A failed build is remembered in its folder (``build-failed.txt``), so later imports do not retry it;
 deleting the folder retries.
 
@@ -53,13 +57,16 @@ import torch
 _NAME = "torch_tpu_C"
 _PACKAGE = Path(__file__).resolve().parent.parent  # torch_tpu/: the sources in csrc/
 _SOURCES = [_PACKAGE / "csrc" / name
-            for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp", "device_guard.cpp")]
+            for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp", "device_guard.cpp",
+                         "views.cpp")]
 _CFLAGS = ["-O2"]
 _FAILED = "build-failed.txt"
 _OFF = "TORCH_TPU_NO_EXTENSION"
 LOST = ("torch.Generator(device='tpu'), nested tpu tensors and torch.accelerator.Graph are unavailable, "
         "and tpu device guards call Python (slower)")
 _loaded: list[ModuleType | None] = []
+_views: list[str] = []  # the view overloads the extension serves (register_views)
+_views_module: list[ModuleType] = []  # the extension, once its views are registered
 _why: list[str] = []
 
 
@@ -201,6 +208,11 @@ def load() -> ModuleType | None:
             # TORCH_TPU_PYTHON_DEVICE_GUARD=1 keeps torch's Python guard
             if os.environ.get("TORCH_TPU_PYTHON_DEVICE_GUARD") != "1":
                 module.register_device_guard()
+            # TORCH_TPU_PYTHON_VIEWS=1 keeps the Python view kernels (dispatch/hand_kernels.py)
+            if os.environ.get("TORCH_TPU_PYTHON_VIEWS") != "1":
+                module.register_views()
+                _views.extend(module.view_op_names())
+                _views_module.append(module)
         except Exception as e:  # noqa: BLE001 - any failure leaves the package as it is without it
             module = None
             _why.append(f"{path} did not load: {type(e).__name__}: {e}")
@@ -214,6 +226,27 @@ def load() -> ModuleType | None:
                             category=DeprecationWarning)
     _loaded.append(module)
     return module
+
+
+def views_in_cpp() -> list[str]:
+    """The view overloads (``"aten.as_strided.default"``, ...) whose tpu kernels are the extension's
+    (``csrc/views.cpp``); empty without it, or with ``TORCH_TPU_PYTHON_VIEWS=1``."""
+    load()
+    return _views
+
+
+def set_as_strided_fallback(kernel: object) -> None:
+    """Gives the C++ ``as_strided`` the Python kernel it calls for a view it cannot show to lie
+    inside its source: the bounds check needs the storage's logical size, which Python holds."""
+    if _views_module:
+        _views_module[0].set_as_strided_fallback(kernel)
+
+
+def take_view_counts() -> dict[str, int]:
+    """The calls of the C++ view kernels since the last take, by overload (the counters restart)."""
+    if not _views_module:
+        return {}
+    return {name: n for name, n in zip(_views, _views_module[0].take_view_counts()) if n}
 
 
 def available() -> bool:

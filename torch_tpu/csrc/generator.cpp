@@ -111,11 +111,20 @@ bool register_generator() {
 
 namespace tpu {
 bool register_device_guard();  // csrc/device_guard.cpp
-}
+bool register_views();  // csrc/views.cpp
+std::vector<std::string> view_op_names();
+std::vector<int64_t> take_view_counts();
+void set_as_strided_fallback(py::object kernel);
+}  // namespace tpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels";
+  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels, views";
   m.def("register_generator", &register_generator, "Lets torch.Generator(device='tpu') be made (once).");
   m.def("register_device_guard", &tpu::register_device_guard,
         "Answers tpu device guards in C++ instead of asking Python at each one.");
+  m.def("register_views", &tpu::register_views, "Serves tpu views (as_strided, view, ...) in C++ (once).");
+  m.def("set_as_strided_fallback", &tpu::set_as_strided_fallback,
+        "The Python as_strided for views not shown to lie inside their source (bounds checked there).");
+  m.def("view_op_names", &tpu::view_op_names, "The overloads register_views serves, in take_view_counts' order.");
+  m.def("take_view_counts", &tpu::take_view_counts, "The C++ views' calls since the last take (then zeroed).");
 }

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
+from torch_tpu.core import extension as _extension
 from torch_tpu.core.devices import check_index
 from torch_tpu.dispatch import host_placement as _host_placement
 from torch_tpu.ops import amp as _amp
@@ -316,24 +317,11 @@ def _view_kernel(op: torch._ops.OpOverload):
             return run
         meta = get_kernel(op, "Meta").call_boxed
         if op is aten.as_strided.default:
-            # torch's Meta kernel takes any geometry; CPU's refuses one reaching past the storage,
-            # which here would read clamped (wrong) elements, so the bounds are checked as CPU does
+            checked = _as_strided_checked()
+
             def run(self, size, stride, storage_offset=None):
                 counts[name] += 1
-                out = meta(keyset, self, size, stride, storage_offset)
-                extent = 1
-                for n, s in zip(size, stride):
-                    if n == 0:
-                        return out  # no elements: any storage holds it, as on CPU
-                    extent += (n - 1) * s
-                st = self.untyped_storage()
-                shape = getattr(st, "_shape", None)  # None: AOTAutograd's wrappers
-                if shape is not None:
-                    offset = self.storage_offset() if storage_offset is None else storage_offset
-                    # in elements when the view's dtype is the storage's (nearly always), else in bytes
-                    if self.dtype is not st._dtype or offset + extent > math.prod(shape):
-                        _check_strided_bounds(out, size, stride, extent, shape, st._dtype)
-                return out
+                return checked(self, size, stride, storage_offset)
 
             run.counts_itself = True
             return run
@@ -353,6 +341,33 @@ def _view_kernel(op: torch._ops.OpOverload):
     return run
 
 
+def _as_strided_checked() -> Any:
+    """as_strided through torch's Meta kernel, which takes any geometry, and CPU's refusal of one
+    reaching past the storage (which here would read clamped, wrong elements), uncounted: the view
+    kernel below counts, and so does the C++ one (csrc/views.cpp), which calls this for a view it
+    cannot show to lie inside its source."""
+    meta = torch.library.get_kernel(aten.as_strided.default, "Meta").call_boxed
+    keyset = torch._C.DispatchKeySet(DK.Meta)
+
+    def checked(self, size, stride, storage_offset=None):
+        out = meta(keyset, self, size, stride, storage_offset)
+        extent = 1
+        for n, s in zip(size, stride):
+            if n == 0:
+                return out  # no elements: any storage holds it, as on CPU
+            extent += (n - 1) * s
+        st = self.untyped_storage()
+        shape = getattr(st, "_shape", None)  # None: AOTAutograd's wrappers
+        if shape is not None:
+            offset = self.storage_offset() if storage_offset is None else storage_offset
+            # in elements when the view's dtype is the storage's (nearly always), else in bytes
+            if self.dtype is not st._dtype or offset + extent > math.prod(shape):
+                _check_strided_bounds(out, size, stride, extent, shape, st._dtype)
+        return out
+
+    return checked
+
+
 def _check_strided_bounds(out: torch.Tensor, size: Any, stride: Any, extent: int, shape: tuple,
                           storage_dtype: torch.dtype) -> None:
     """CPU's refusal of a view whose last element lies past its storage (in bytes, as CPU counts,
@@ -366,9 +381,14 @@ def _check_strided_bounds(out: torch.Tensor, size: Any, stride: Any, extent: int
             f"itemsize {itemsize} requiring a storage size of {need} are out of bounds for storage of size {have}")
 
 
+# served by the C++ extension where it is loaded (csrc/views.cpp: CPU's own kernels, without a call into
+# Python per view), else here
 for _op in (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default,
             aten._unsafe_view.default):
-    kernel(_op, fusable=True, how="view (meta)")(_view_kernel(_op))
+    if str(_op) not in _extension.views_in_cpp():
+        kernel(_op, fusable=True, how="view (meta)")(_view_kernel(_op))
+if _extension.views_in_cpp():
+    _extension.set_as_strided_fallback(_as_strided_checked())
 
 
 @kernel(aten.as_strided_.default, fusable=True)

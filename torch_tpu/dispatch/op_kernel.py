@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.core import extension as _extension
 from torch_tpu.core import rng as _rng
 from torch_tpu.dispatch import host_placement as _host_placement
 from torch_tpu.dispatch import runtime_ints as _runtime_ints
@@ -984,6 +985,9 @@ def register_table() -> int:
         fn = hk.fn if hk.build is None else hk.build(lowering_kernel)
         register_kernel(op, fn if hk.fusable else _eager_section(op, fn), hk.how)
         n += 1
+    for name in _extension.views_in_cpp():  # registered by the extension (csrc/views.cpp), counted there
+        REGISTERED[name] = "view (C++)"
+    metrics.count_source(_extension.take_view_counts)
     return n + register_lowerings() + register_out_twins()
 
 

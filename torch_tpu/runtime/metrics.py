@@ -41,6 +41,7 @@ def count_compile(name: str, seconds: float) -> None:
         compile_totals[1] += seconds
 
 
+_count_sources: list[Callable[[], dict[str, int]]] = []  # op counts kept elsewhere (the C++ views)
 _on_reset: list[Callable[[], None]] = []  # other counters cleared with these (the fused cache's statistics)
 profile: Any = None  # the profile in progress (set by runtime.profiler): each program run is timed through it
 
@@ -51,9 +52,26 @@ def on_reset(clear: Callable[[], None]) -> None:
     _on_reset.append(clear)
 
 
+def count_source(take: Callable[[], dict[str, int]]) -> None:
+    """Registers ``take``, which returns op counts kept outside Python since its last call (the
+    extension's view kernels count in C++: a call into Python per view would cost what the C++
+    kernel saves); :func:`fold` adds them to ``op_counts``."""
+    if take not in _count_sources:
+        _count_sources.append(take)
+
+
+def fold() -> None:
+    """Adds the counts of every :func:`count_source` to ``op_counts``: before ``op_counts`` is read."""
+    for take in _count_sources:
+        counts = take()
+        if counts:
+            op_counts.update(counts)
+
+
 def reset() -> None:
     """Clears every counter that ``metrics()``, ``metrics_report()`` and ``cache_stats()`` show,
     the recompilation log included (the compiled programs themselves stay cached)."""
+    fold()  # the counts kept elsewhere restart too
     for c in (op_counts, fallback_counts, decomposition_counts, host_op_counts, no_tpu_kernel_counts,
               compile_counts, compile_seconds, transfer_bytes, eager_graphs):
         c.clear()
@@ -67,6 +85,7 @@ def metrics() -> dict[str, Any]:
     graph, a fused trace), so its compilation is counted when the call it belongs to returns; under
     graph capture nothing runs, and the capture's compilation is counted at its end."""
     settle.finished(pending=True)
+    fold()
     return {
         "op_counts": dict(op_counts),
         "fallback_counts": dict(fallback_counts),
