@@ -52,9 +52,11 @@ def _entry(rank: int, n: int, port: int, scenario: str, outdir: str, timeout_s: 
     os._exit(0)  # skip the interpreter teardown (seconds with jax) once the result is written
 
 
-def _launch(scenario: str, n: int, tmp_path, timeout_s: float = 60.0, wait_for=None) -> dict:
+def _launch(scenario: str, n: int, tmp_path, timeout_s: float = 120.0, wait_for=None) -> dict:
     """Runs ``scenario`` on ``n`` spawned ranks; returns {rank: result} for the ranks in ``wait_for``
-    (all by default) and kills every process that is still running after them or after the deadline."""
+    (all by default) and kills every process that is still running after them or after the deadline.
+    The deadline catches a hang: on a loaded 2-core machine (load average 9) two ranks' start-up and
+    collectives took about 40 s, and 60 s was once too little there."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, n, port, scenario, str(tmp_path), timeout_s)) for r in range(n)]
