@@ -63,7 +63,7 @@ _CFLAGS = ["-O2"]
 _FAILED = "build-failed.txt"
 _OFF = "TORCH_TPU_NO_EXTENSION"
 LOST = ("torch.Generator(device='tpu'), nested tpu tensors and torch.accelerator.Graph are unavailable, "
-        "and tpu device guards call Python (slower)")
+        "and tpu device guards and views call Python (slower)")
 _loaded: list[ModuleType | None] = []
 _views: list[str] = []  # the view overloads the extension serves (register_views)
 _views_module: list[ModuleType] = []  # the extension, once its views are registered
