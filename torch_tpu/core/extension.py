@@ -15,7 +15,7 @@ so that a transpose or slice does not call into Python and back (``csrc/views.cp
 a small step's eager ops); their calls are counted there and folded into ``metrics()``.
 
 **When it is built.** At the first ``import torch_tpu`` that finds no build for the installed torch
-(a one-line message says so while it compiles, about two minutes), into a per-user cache with one
+(a one-line message says so while it compiles, about a minute), into a per-user cache with one
 folder per torch version, Python version and source hash (:func:`build_dir`), as
 ``torch.utils.cpp_extension.load`` does. Not at install: an extension is tied to the exact torch it
 was compiled against, and pip builds a package in an isolated environment with a torch of its own
@@ -82,7 +82,7 @@ def turned_off() -> bool:
 def cache_root() -> Path:
     """The per-user folder of builds: ``TORCH_TPU_EXTENSION_DIR``, else ``~/.cache/torch_tpu/extension``.
     Not under ``TORCH_TPU_CACHE_DIR``: a process given a fresh program cache must not build the
-    extension again (two minutes)."""
+    extension again (a minute)."""
     if os.environ.get("TORCH_TPU_EXTENSION_DIR"):
         return Path(os.environ["TORCH_TPU_EXTENSION_DIR"]).expanduser()
     return Path(os.path.expanduser("~")) / ".cache" / "torch_tpu" / "extension"
@@ -149,10 +149,19 @@ def build(verbose: bool = False) -> Path:
 
 
 def _compile_here(where: Path) -> None:
-    """The child process's work: torch's JIT builder, with its file lock against concurrent builds."""
+    """The child process's work: torch's JIT builder, with its file lock against concurrent builds.
+
+    The sources compile as one translation unit (a file in the build folder that includes each of
+    them): every source includes torch's headers, whose parsing is most of a source's compile time,
+    so one unit parses them once: 85 CPU seconds instead of 345 for six units (this machine,
+    2026-12-07), for the user whose first import builds it and for CI, which builds it four times."""
     from torch.utils.cpp_extension import load as cpp_load
 
-    cpp_load(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(where), extra_cflags=_CFLAGS,
+    unit = where / f"{_NAME}.cpp"
+    text = "".join(f'#include "{s}"\n' for s in _SOURCES)
+    if not unit.exists() or unit.read_text() != text:
+        unit.write_text(text)
+    cpp_load(name=_NAME, sources=[str(unit)], build_directory=str(where), extra_cflags=_CFLAGS,
              is_python_module=False, verbose=True)
 
 
@@ -177,7 +186,7 @@ def _find_or_build() -> Path | None:
         _why.append(reason)
         return None
     print(f"torch_tpu: building the C++ extension for torch {torch.__version__} in {where} "
-          "(once per torch and Python version, about two minutes)...", file=sys.stderr, flush=True)
+          "(once per torch and Python version, about a minute)...", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
         build()
