@@ -331,6 +331,55 @@ def test_foreach_ops_are_one_program_per_list():
     assert torch._foreach_norm(dev)[1].item() == pytest.approx(torch._foreach_norm(cpu)[1].item(), rel=1e-5)
 
 
+def test_a_foreach_list_is_keyed_in_cpp_as_in_python(monkeypatch):
+    """The C++ extension keys a foreach op's list of tpu tensors (csrc/keys.cpp, op_kernel._key_of's
+    list case): the same key and arrays as the Python loop for the lists it takes (views included),
+    and the Python loop's answer for those it leaves to it (a CPU tensor, a dtype view, a value
+    still pending outside a recording)."""
+    from torch_tpu.dispatch import op_kernel
+    from torch_tpu.runtime import fused
+
+    if op_kernel._KEY_OF_TENSORS is None:
+        pytest.skip("the C++ extension is not loaded")
+    cpp = op_kernel._KEY_OF_TENSORS
+
+    def keys(xs, with_cpp):
+        monkeypatch.setattr(op_kernel, "_KEY_OF_TENSORS", cpp if with_cpp else None)
+        dyn: list = []
+        key = op_kernel._key_of(xs, 0, dyn)
+        return key, dyn
+
+    def same(xs, taken):
+        assert (cpp(xs, True) is not None) == taken
+        (k1, d1), (k2, d2) = keys(xs, True), keys(xs, False)
+        assert k1 == k2 and hash(k1) == hash(k2)
+        assert len(d1) == len(d2) and all(a is b for a, b in zip(d1, d2))
+
+    base = [torch.randn(3, 4), torch.randn(5), torch.randn(())]
+    dev = [t.to("tpu") for t in base]
+    param = nn.Parameter(torch.randn(2, 3).to("tpu"))
+    same(dev + [param], True)
+    same(dev + [dev[0][1:]], True)  # a view at an offset
+    same(dev + [dev[0].t()], True)  # not contiguous
+    same(dev + [dev[0].view(12)], True)  # another shape over the whole storage
+    same(dev + [base[0]], False)  # a CPU tensor
+    same(dev + [dev[0].view(torch.int32)], False)  # not its storage's dtype
+    mode = torch_tpu.get_eager_mode()
+    torch_tpu.set_eager_mode(torch_tpu.EagerMode.FUSED)
+    try:
+        pending = [t * 2 for t in dev]  # recorded: their storages hold placeholders
+        assert all(type(t.untyped_storage()._jx) is fused.Lazy for t in pending)
+        same(pending + dev, True)
+        assert cpp(pending, False) is None  # pending, and nothing records: the Python path runs it
+        torch_tpu.sync()  # computed: the C++ key drops each placeholder for its array, as Python does
+    finally:
+        torch_tpu.set_eager_mode(mode)
+    key, dyn = keys(pending, True)
+    assert all(type(t.untyped_storage()._jx) is not fused.Lazy for t in pending)
+    assert all(type(a) is not fused.Lazy for a in dyn)
+    assert key == tuple((tuple(t.shape), t.dtype) for t in pending)
+
+
 def test_module_to_while_a_cpu_graph_holds_the_weights():
     """A CPU forward whose backward has not run saves the weights in its graph; moving the module
     to tpu then raised "Couldn't swap Conv2d.weight" (a move to CUDA works). The same Parameters

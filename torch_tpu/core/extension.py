@@ -1,6 +1,6 @@
 """torch_tpu's optional C++ extension: what PyTorch's Python backend hooks cannot express.
 
-Today that is six things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
+Today that is seven things. ``torch.Generator(device="tpu")``: torch makes a PrivateUse1 generator
 only through a factory registered from C++ (``csrc/generator.cpp``). Nested tensors: torch's
 device-generic nested-tensor kernels registered for ``NestedTensorPrivateUse1``, which Python cannot
 write since it cannot reach a ``NestedTensorImpl``'s buffer (``csrc/nested.cpp``, ``nested``).
@@ -12,7 +12,9 @@ registration answers each guard operation by calling Python, over a thousand tim
 training step; ``csrc/device_guard.cpp`` gives the same answers in C++. The sixth is speed alone: the
 view kernels (``as_strided``, ``view``, ``_reshape_alias``, ``_unsafe_view``, ``unfold``), CPU's own,
 so that a transpose or slice does not call into Python and back (``csrc/views.cpp``; about a third of
-a small step's eager ops); their calls are counted there and folded into ``metrics()``.
+a small step's eager ops); their calls are counted there and folded into ``metrics()``. The seventh
+too: the cache key of a foreach op's list of tpu tensors (``csrc/keys.cpp``, :func:`key_of_tensors`),
+which the op path reads tensor by tensor in Python otherwise.
 
 **When it is built.** At the first ``import torch_tpu`` that finds no build for the installed torch
 (a one-line message says so while it compiles, about a minute), into a per-user cache with one
@@ -49,8 +51,10 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -58,7 +62,7 @@ _NAME = "torch_tpu_C"
 _PACKAGE = Path(__file__).resolve().parent.parent  # torch_tpu/: the sources in csrc/
 _SOURCES = [_PACKAGE / "csrc" / name
             for name in ("generator.cpp", "graph.cpp", "host_allocator.cpp", "nested.cpp", "device_guard.cpp",
-                         "views.cpp")]
+                         "views.cpp", "keys.cpp")]
 _CFLAGS = ["-O2"]
 _FAILED = "build-failed.txt"
 _OFF = "TORCH_TPU_NO_EXTENSION"
@@ -67,6 +71,7 @@ LOST = ("torch.Generator(device='tpu'), nested tpu tensors and torch.accelerator
 _loaded: list[ModuleType | None] = []
 _views: list[str] = []  # the view overloads the extension serves (register_views)
 _views_module: list[ModuleType] = []  # the extension, once its views are registered
+_keys: list[Any] = []  # the extension's key_of_tensors, once set_key_types has run
 _why: list[str] = []
 
 
@@ -256,6 +261,22 @@ def take_view_counts() -> dict[str, int]:
     if not _views_module:
         return {}
     return {name: n for name, n in zip(_views, _views_module[0].take_view_counts()) if n}
+
+
+def key_of_tensors() -> Callable[[list, bool], Any] | None:
+    """The C++ key of a list of tpu tensors (``csrc/keys.cpp``: ``(keys, arrays)``, or None where a
+    tensor is not a plain tpu tensor over its whole storage), once :func:`set_key_types` has named
+    the types it checks; None without the extension."""
+    return _keys[0] if _keys else None
+
+
+def set_key_types(lazy: type) -> None:
+    """Tells the C++ key the trace's placeholder type (``runtime.fused.Lazy``), which a storage may
+    hold in place of its array; from then on :func:`key_of_tensors` serves."""
+    module = load()
+    if module is not None and not _keys and hasattr(module, "key_of_tensors"):
+        module.set_key_types(torch.Tensor, torch.nn.Parameter, lazy)
+        _keys.append(module.key_of_tensors)
 
 
 def available() -> bool:

@@ -115,10 +115,12 @@ bool register_views();  // csrc/views.cpp
 std::vector<std::string> view_op_names();
 std::vector<int64_t> take_view_counts();
 void set_as_strided_fallback(py::object kernel);
+void set_key_types(py::object tensor, py::object parameter, py::object lazy);  // csrc/keys.cpp
+py::object key_of_tensors(py::list xs, bool recording);
 }  // namespace tpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels, views";
+  m.doc() = "torch_tpu's C++ extension: torch.Generator(device='tpu'), nested tensors' kernels, views, keys";
   m.def("register_generator", &register_generator, "Lets torch.Generator(device='tpu') be made (once).");
   m.def("register_device_guard", &tpu::register_device_guard,
         "Answers tpu device guards in C++ instead of asking Python at each one.");
@@ -127,4 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The Python as_strided for views not shown to lie inside their source (bounds checked there).");
   m.def("view_op_names", &tpu::view_op_names, "The overloads register_views serves, in take_view_counts' order.");
   m.def("take_view_counts", &tpu::take_view_counts, "The C++ views' calls since the last take (then zeroed).");
+  m.def("set_key_types", &tpu::set_key_types, "torch.Tensor, nn.Parameter and the trace's placeholder type.");
+  m.def("key_of_tensors", &tpu::key_of_tensors,
+        "(keys, arrays) of a list of tpu tensors over whole storages, or None: op_kernel._key_of's list case.");
 }

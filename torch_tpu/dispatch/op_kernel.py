@@ -124,6 +124,9 @@ _STRICT = executor.EagerMode.STRICT
 _SLOW = object()  # _key_of's answer for an argument only _spec handles
 _Lazy = fused.Lazy
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+_extension.set_key_types(_Lazy)
+# a list of tpu tensors keyed in C++ (csrc/keys.cpp); None without the extension: _key_of's loop
+_KEY_OF_TENSORS = _extension.key_of_tensors()
 _FLOAT_KEY = _Scalar((float,))
 _INT_KEY = _Scalar((int,))
 _BOOL_KEY = _Scalar((bool,))
@@ -191,12 +194,17 @@ def _key_of(a: Any, dynamic: int, dyn: list) -> Any:
                 return tuple(a)
             dyn.extend(a)
             return (_FLOAT_KEY,) * len(a)
-        out = []
-        start = len(dyn)
         # a foreach op's list: the tensor case above, inline, for tensors whose storage holds an
-        # array of their dtype (a pending placeholder only while recording)
+        # array of their dtype (a pending placeholder only while recording); in C++ where it can
         fast = _storage._capture is None
         recording = executor._mode is _FUSED or executor.recording()
+        if fast and _KEY_OF_TENSORS is not None and (first is _TENSOR or first is _PARAMETER):
+            found = _KEY_OF_TENSORS(a, recording)
+            if found is not None:
+                dyn.extend(found[1])
+                return found[0]
+        out = []
+        start = len(dyn)
         for x in a:
             tx = type(x)
             if fast and (tx is _TENSOR or tx is _PARAMETER):
