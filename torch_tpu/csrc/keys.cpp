@@ -1,5 +1,5 @@
 // The cache key of a list of tpu tensors, in C++: a foreach op's argument (AdamW's parameters,
-// gradients and moments: about 700 tensors over ten ops per small training step). The op path
+// gradients and moments: 383 tensors in 15 lists per fused gpt-tiny step). The op path
 // (dispatch/op_kernel.py, _key_of) reads each tensor's storage there, its array, dtype and shape,
 // checks that the tensor covers the whole storage, and keys it by (shape, dtype): about a
 // microsecond per tensor in Python, most of a foreach op's host time.
@@ -72,7 +72,7 @@ py::object key_of_tensors(py::list xs, bool recording) {
     PyTypeObject* type = Py_TYPE(x);
     if (type != tensor_type && type != parameter_type) return py::none();
     const at::Tensor& t = THPVariable_Unpack(x);
-    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return py::none();
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || !t.has_storage()) return py::none();
     py::object storage = py::reinterpret_steal<py::object>(torch::createPyObject(t.storage()));
     if (!storage) {
       PyErr_Clear();
