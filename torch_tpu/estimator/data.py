@@ -7,7 +7,7 @@ new XLA program, so it is padded to the full size and the padded rows are masked
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,31 +142,6 @@ def split(raw: Any, device: Any, with_target: bool = True, n: int | None = None)
             return Batch(tuple(moved[:-1]), {}, moved[-1], n, moved)
         return Batch(tuple(moved), {}, None, n, moved)
     return Batch((moved,), {}, None, n, moved)
-
-
-def prefetch(loader: Iterable, prepare: Any, skip: int = 0) -> Iterator[tuple[int, Any]]:
-    """Yields ``(index, prepare(raw))``, preparing (and so sending to the device) one batch ahead,
-    so that the next batch's host-to-device copy overlaps the step running now."""
-    it = iter(loader)
-    for _ in range(skip):
-        try:
-            next(it)
-        except StopIteration:
-            return
-    index = skip
-    try:
-        nxt = prepare(index, next(it))
-    except StopIteration:
-        return
-    while True:
-        cur, cur_index = nxt, index
-        index += 1
-        try:
-            nxt = prepare(index, next(it))
-        except StopIteration:
-            yield cur_index, cur
-            return
-        yield cur_index, cur
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
