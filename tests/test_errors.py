@@ -262,6 +262,49 @@ def test_a_strict_ops_device_side_index_check_runs_in_the_ops_own_program(monkey
             bad.cpu()
 
 
+
+def test_a_decoding_loops_device_side_index_check_joins_the_ops_program_once_it_repeats(monkeypatch):
+    """A decoding loop's first position comes from the host (checked there, so ``index_copy_``'s
+    own program is compiled first) and every later one from the device (``position + 1``). Those
+    calls run the op's program and a check program apart until the call has repeated
+    ``JOIN_AFTER`` times; from then on the op's program computes the check: one executable per
+    call. The tokens are CPU's, and a bad position still raises CPU's error at the next read."""
+    from torch_tpu.runtime import executor
+    from torch_tpu.tensor import value_checks
+
+    runs = []
+    run_now, execute = executor.run_now, executor.execute
+    monkeypatch.setattr(executor, "run_now", lambda prog, inputs: runs.append(prog.name) or run_now(prog, inputs))
+    monkeypatch.setattr(value_checks, "execute", lambda prog, *a: runs.append(prog.name) or execute(prog, *a))
+
+    def loop(d: str, steps: int, first: int = 0) -> tuple[torch.Tensor, list[int]]:
+        out = torch.zeros(3, steps + first, dtype=torch.long, device=d)
+        position = torch.tensor([first], device=d)  # uploaded: the host has it
+        per_call = []
+        for i in range(steps):
+            runs.clear()
+            out.index_copy_(1, position, torch.full((3, 1), i, device=d))
+            per_call.append(len([n for n in runs if "index_copy" in n or "value check" in n]))
+            position = position + 1  # computed on the device
+        return out, per_call
+
+    with torch_tpu.set_eager_mode("strict"):
+        steps = value_checks.JOIN_AFTER + 4
+        got, per_call = loop("tpu", steps, first=3)
+        last = [n for n in runs if "index_copy" in n or "value check" in n]
+        torch.testing.assert_close(got.cpu(), loop("cpu", steps, first=3)[0])
+        # the host-checked first call and the device-checked calls before the count: one op program
+        # (and one check program each); then the joined program alone
+        assert per_call[0] == 1 and set(per_call[1:value_checks.JOIN_AFTER + 1]) == {2}, per_call
+        assert set(per_call[value_checks.JOIN_AFTER + 1:]) == {1}, per_call
+        assert len(last) == 1 and "checking outside" in last[0], last
+        out = torch.zeros(3, 4, dtype=torch.long, device="tpu")
+        bad = out.index_copy_(1, torch.tensor([1], device="tpu") + 3, torch.full((3, 1), 7, device="tpu"))
+        expected = _raised(lambda d: torch.zeros(3, 4, dtype=torch.long, device=d).index_copy_(
+            1, torch.tensor([4], device=d), torch.full((3, 1), 7, device=d)), "cpu")
+        with pytest.raises(type(expected), match=re.escape(str(expected)) + r" \(found on the device after the op"):
+            bad.cpu()
+
 def _raised(f, device):
     try:
         f(device)

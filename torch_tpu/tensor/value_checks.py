@@ -185,6 +185,16 @@ def _check_on_device(values: Any, bad: Predicate, params: tuple, error: Callable
 _joining: list | None = None
 # (op program, the checks' predicates, parameters and value shapes) -> the program computing both
 _joined: dict[tuple, Program] = {}
+# the same key -> how many calls that needed the device ran the op's own program and the checks
+# apart (the joined program not compiled, the op's own already was)
+_apart: dict[tuple, int] = {}
+# After this many such calls the joined program is compiled after all: a loop that repeats the call
+# (a decoding loop's ``index_copy_`` at ``position + 1``, whose first position the host uploaded, so
+# the op's own program came first) then runs one executable per call instead of two. A compile costs
+# tenths of a second, an executable call more tens of microseconds: the joined program pays for itself
+# after a few thousand calls, and a loop that reaches this count is likely to make them. A few calls
+# with a device-computed index (a test's loop over padding values) compile nothing more.
+JOIN_AFTER = 64
 
 
 def start_joining() -> list | None:
@@ -228,16 +238,20 @@ def run_joined(program: Program, inputs: list, found: list) -> Any:
     has not been compiled, and used for every later call that needs the device, or that does not
     while the op's own program still has not been compiled. Otherwise the calls keep the program
     they had (the op's own, and the checks alone): no program is compiled that the two separate
-    ones would not have compiled."""
+    ones would not have compiled, until a call with the device's values repeats :data:`JOIN_AFTER`
+    times: a loop, which then runs the joined program from its next call."""
     needs = [f for f in found if f[5]]
     if not needs and program._jitted is not None:
         return executor.run_now(program, inputs)
     key = (program, tuple([(bad, params, tuple(t.shape), t.dtype) for t, bad, params, _, _, _ in found]))
     joined = _joined.get(key)
     if joined is None:
-        if not needs or program._jitted is not None:
+        if not needs or (program._jitted is not None and _apart.get(key, 0) < JOIN_AFTER):
+            if needs:
+                _apart[key] = _apart.get(key, 0) + 1
             run_alone(needs)
             return executor.run_now(program, inputs)
+        _apart.pop(key, None)
         joined = _joined[key] = _joined_program(program, key[1], len(inputs))
     outs, flags = executor.run_now(joined, [*inputs, *[read(f[0]) for f in found]])
     for (_, _, _, error, position, on_device), (flag, first, at) in zip(found, flags):
