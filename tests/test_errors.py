@@ -263,12 +263,14 @@ def test_a_strict_ops_device_side_index_check_runs_in_the_ops_own_program(monkey
 
 
 
-def test_a_decoding_loops_device_side_index_check_joins_the_ops_program_once_it_repeats(monkeypatch):
+def test_a_decoding_loops_device_side_index_check_joins_the_ops_program(monkeypatch):
     """A decoding loop's first position comes from the host (checked there, so ``index_copy_``'s
-    own program is compiled first) and every later one from the device (``position + 1``). Those
-    calls run the op's program and a check program apart until the call has repeated
-    ``JOIN_AFTER`` times; from then on the op's program computes the check: one executable per
-    call. The tokens are CPU's, and a bad position still raises CPU's error at the next read."""
+    own program is compiled first) and every later one from the device (``position + 1``). The
+    first of those compiles the joined program (running them apart would compile the check's own
+    instead): one executable per call from then on, and nothing compiled in a second call. Where the
+    check's own program was compiled before (another op's), the calls run the two apart, compiling
+    nothing, until the call has repeated ``JOIN_AFTER`` times: a loop, which then joins them. The
+    results are CPU's, and a bad position still raises CPU's error at the next read."""
     from torch_tpu.runtime import executor
     from torch_tpu.tensor import value_checks
 
@@ -277,27 +279,48 @@ def test_a_decoding_loops_device_side_index_check_joins_the_ops_program_once_it_
     monkeypatch.setattr(executor, "run_now", lambda prog, inputs: runs.append(prog.name) or run_now(prog, inputs))
     monkeypatch.setattr(value_checks, "execute", lambda prog, *a: runs.append(prog.name) or execute(prog, *a))
 
-    def loop(d: str, steps: int, first: int = 0) -> tuple[torch.Tensor, list[int]]:
-        out = torch.zeros(3, steps + first, dtype=torch.long, device=d)
-        position = torch.tensor([first], device=d)  # uploaded: the host has it
+    def loop(d: str, steps: int, width: int) -> tuple[torch.Tensor, list[list[str]]]:
+        out = torch.zeros(3, width, dtype=torch.long, device=d)
+        position = torch.tensor([width - steps], device=d)  # uploaded: the host has it
         per_call = []
         for i in range(steps):
             runs.clear()
             out.index_copy_(1, position, torch.full((3, 1), i, device=d))
-            per_call.append(len([n for n in runs if "index_copy" in n or "value check" in n]))
+            per_call.append([n for n in runs if "index_copy" in n or "value check" in n])
             position = position + 1  # computed on the device
         return out, per_call
 
     with torch_tpu.set_eager_mode("strict"):
-        steps = value_checks.JOIN_AFTER + 4
-        got, per_call = loop("tpu", steps, first=3)
-        last = [n for n in runs if "index_copy" in n or "value check" in n]
-        torch.testing.assert_close(got.cpu(), loop("cpu", steps, first=3)[0])
-        # the host-checked first call and the device-checked calls before the count: one op program
-        # (and one check program each); then the joined program alone
-        assert per_call[0] == 1 and set(per_call[1:value_checks.JOIN_AFTER + 1]) == {2}, per_call
-        assert set(per_call[value_checks.JOIN_AFTER + 1:]) == {1}, per_call
-        assert len(last) == 1 and "checking outside" in last[0], last
+        for call in range(2):
+            compiled = torch_tpu.metrics()["compile_count"]
+            got, per_call = loop("tpu", 8, 11)
+            torch.testing.assert_close(got.cpu(), loop("cpu", 8, 11)[0])
+            assert [len(names) for names in per_call] == [1] * 8, per_call
+            assert all("checking outside(0, 11)" in names[0] for names in per_call[1:]), per_call
+            if call:
+                assert torch_tpu.metrics()["compile_count"] == compiled
+
+        # the check's own program compiled first, by a check of another tensor with the same bounds;
+        # the op's own program by a host-checked call
+        ahead = torch.tensor([1], device="tpu") + 1
+        width = 13
+        value_checks.check_values(ahead, value_checks.outside, (0, width), IndexError)
+        torch.zeros(3, width, dtype=torch.long, device="tpu").index_copy_(  # the op's own program, host-checked
+            1, torch.tensor([0], device="tpu"), torch.full((3, 1), 1, device="tpu"))
+        torch_tpu.sync()
+        out = torch.zeros(3, width, dtype=torch.long, device="tpu")
+        position, counts = torch.tensor([0], device="tpu") + 0, []
+        for i in range(value_checks.JOIN_AFTER + 3):
+            runs.clear()
+            out.index_copy_(1, position % width, torch.full((3, 1), i, device="tpu"))
+            counts.append(len([n for n in runs if "index_copy" in n or "value check" in n]))
+            position = position + 1
+        assert counts == [2] * value_checks.JOIN_AFTER + [1] * 3, counts
+        want = torch.zeros(3, width, dtype=torch.long)
+        for i in range(value_checks.JOIN_AFTER + 3):
+            want[:, i % width] = i
+        torch.testing.assert_close(out.cpu(), want)
+
         out = torch.zeros(3, 4, dtype=torch.long, device="tpu")
         bad = out.index_copy_(1, torch.tensor([1], device="tpu") + 3, torch.full((3, 1), 7, device="tpu"))
         expected = _raised(lambda d: torch.zeros(3, 4, dtype=torch.long, device=d).index_copy_(

@@ -185,15 +185,14 @@ def _check_on_device(values: Any, bad: Predicate, params: tuple, error: Callable
 _joining: list | None = None
 # (op program, the checks' predicates, parameters and value shapes) -> the program computing both
 _joined: dict[tuple, Program] = {}
-# the same key -> how many calls that needed the device ran the op's own program and the checks
-# apart (the joined program not compiled, the op's own already was)
+# the same key -> how many calls that needed the device ran the op's own program and the checks'
+# programs apart (all three compiled before, for other calls: see run_joined)
 _apart: dict[tuple, int] = {}
-# After this many such calls the joined program is compiled after all: a loop that repeats the call
-# (a decoding loop's ``index_copy_`` at ``position + 1``, whose first position the host uploaded, so
-# the op's own program came first) then runs one executable per call instead of two. A compile costs
-# tenths of a second, an executable call more tens of microseconds: the joined program pays for itself
-# after a few thousand calls, and a loop that reaches this count is likely to make them. A few calls
-# with a device-computed index (a test's loop over padding values) compile nothing more.
+# After this many such calls the joined program is compiled after all: a loop repeats the call, and
+# then runs one executable per call instead of two. A compile costs tenths of a second, an executable
+# call tens of microseconds more: the joined program pays for itself after a few thousand calls, and
+# a loop that reaches this count is likely to make them. A few calls (a test's loop over padding
+# values, whose three embedding ops share one check program) compile nothing more.
 JOIN_AFTER = 64
 
 
@@ -236,19 +235,24 @@ def run_joined(program: Program, inputs: list, found: list) -> Any:
     host holds on a given call (an embedding's indices computed now on the device, now on the
     host): it is compiled when a call first needs the device for a check and the op's own program
     has not been compiled, and used for every later call that needs the device, or that does not
-    while the op's own program still has not been compiled. Otherwise the calls keep the program
-    they had (the op's own, and the checks alone): no program is compiled that the two separate
-    ones would not have compiled, until a call with the device's values repeats :data:`JOIN_AFTER`
-    times: a loop, which then runs the joined program from its next call."""
+    while the op's own program still has not been compiled. It is also compiled when the op's own
+    program exists but a check's own program does not, as in a decoding loop whose first position
+    the host uploaded (checked there) and whose later ones the device computes (``index_copy_`` at
+    ``position + 1``): running them apart would compile that check program instead. Otherwise (all
+    compiled) the calls run the op's program and the checks' apart: no program is compiled that
+    the separate ones would not have compiled, until such a call repeats :data:`JOIN_AFTER` times:
+    a loop, which then runs the joined program from its next call."""
     needs = [f for f in found if f[5]]
     if not needs and program._jitted is not None:
         return executor.run_now(program, inputs)
     key = (program, tuple([(bad, params, tuple(t.shape), t.dtype) for t, bad, params, _, _, _ in found]))
     joined = _joined.get(key)
     if joined is None:
-        if not needs or (program._jitted is not None and _apart.get(key, 0) < JOIN_AFTER):
-            if needs:
-                _apart[key] = _apart.get(key, 0) + 1
+        if not needs:
+            return executor.run_now(program, inputs)
+        if (program._jitted is not None and _apart.get(key, 0) < JOIN_AFTER
+                and all(_program(f[1], f[2])._jitted is not None for f in needs)):
+            _apart[key] = _apart.get(key, 0) + 1
             run_alone(needs)
             return executor.run_now(program, inputs)
         _apart.pop(key, None)
