@@ -609,3 +609,43 @@ def test_reduce_overhead_equals_default_mode():
         assert torch.equal(a.detach().cpu(), b.detach().cpu())
     for a, b in zip(pro, pde):
         assert torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+def test_a_trusted_graphs_inputs_are_read_in_cpp_and_a_view_falls_back(monkeypatch):
+    """Once Dynamo's guards stand for a graph's inputs, a call reads its tpu inputs' arrays with the
+    extension's key_of_tensors (one C++ call, not a Python loop over ~100 tensors of an optimizer
+    step); 0-d CPU inputs still travel as host values. An input that is a view of a larger storage
+    (same shape, dtype and strides, so the guards pass) keys differently there and is read by the
+    Python loop. Every call gives CPU's result."""
+    from torch_tpu.core import extension
+
+    real = extension.key_of_tensors()
+    if real is None:
+        pytest.skip("the C++ extension is not loaded")
+    calls = []
+
+    def counted(xs, recording):
+        found = real(xs, recording)
+        calls.append(found is not None and all(len(k) == 2 for k in found[0]))
+        return found
+
+    monkeypatch.setattr(extension, "key_of_tensors", lambda: counted)
+
+    def f(x, y, scale):
+        return (x * y).sum(0) * scale, x + 1
+
+    g = torch.compile(f, backend="tpu")
+    big = torch.randn(9, 4)
+    cases = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(3)] + [(big, torch.randn(8, 4))]
+    with torch_tpu.set_eager_mode("strict"):
+        for i, (x, y) in enumerate(cases):
+            scale = torch.tensor(0.5 + i)  # a 0-d CPU tensor: a host value of the program
+            xt = x.to("tpu")
+            if x is big:  # a view on tpu: rows 1-8 of a 9-row storage
+                xt, x = xt[1:], x[1:]
+            got = g(xt, y.to("tpu"), scale)
+            for a, b in zip(got, f(x, y, scale)):
+                torch.testing.assert_close(a.cpu(), b)
+    # the first call learns the inputs; the next two are read in C++; the view's call is asked in C++
+    # (its key names the view) and read by the Python loop
+    assert calls == [True, True, False], calls

@@ -38,6 +38,7 @@ import torch
 import torch._decomp
 
 from torch_tpu.core import dtypes as _dtypes
+from torch_tpu.core import extension as _extension
 from torch_tpu.core import rng as _rng
 from torch_tpu.core.devices import platform
 from torch_tpu.ops._registry import IGNORED_KWARGS, LOWERINGS, Lowering
@@ -843,11 +844,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
     grouped = fn.grouped
     input_checks = any(len(metas) == 3 and error[2] is not None for error, metas in checks)
     Lazy = fused.Lazy
+    key_of_tensors = _extension.key_of_tensors()  # None without the extension
     trusted: list[Program] = []  # the one program, once Dynamo's guards stand for its key
     kinds: list[int] = []  # per input, 0 a tpu tensor, 1 a 0-d CPU tensor, 2 another CPU tensor
     # per input, the (shape, dtype) Dynamo's guards fix for a tpu tensor: its storage is compared
     # with these, which costs less than reading the tensor's own shape and dtype at every call
     fixed: list[tuple] = []
+    # once trusted: the positions of the tpu inputs, and their keys as the extension's
+    # key_of_tensors gives them for tensors over their whole storage ((shape, dtype), as ``fixed``),
+    # or None where an input is another CPU tensor (the loop below reads those)
+    whole: list = [None, None]
     can_trust = not symbols
 
     def program_for(key: list) -> Program:
@@ -917,7 +923,23 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
         capture = _storage._capture
         trust = trusted and capture is None  # a graph capture checks every input
         recording = executor.recording()
-        if trust:  # Dynamo's guards fixed each input's device, dims and dtype: its kind is known
+        found = None
+        if trust and whole[0] is not None and key_of_tensors is not None:
+            # every tpu input's array at once, in C++; its keys say each covers its whole storage, of
+            # the shape and dtype the guards fixed (else, a view or another storage, the loop reads it)
+            at = whole[0]
+            found = key_of_tensors(args if at is True else [args[i] for i in at], recording)
+            if found is not None and found[0] == whole[1]:
+                arrays = found[1]
+                if at is not True:
+                    for a, kind in zip(args, kinds):
+                        if kind == 1:
+                            host.setdefault(a.dtype, []).append(a.item())
+            else:
+                found = None
+        if found is not None:
+            pass
+        elif trust:  # Dynamo's guards fixed each input's device, dims and dtype: its kind is known
             for a, kind, (shape, dtype) in zip(args, kinds, fixed):
                 if kind == 0:
                     st = a.untyped_storage()
@@ -996,6 +1018,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
                 program = cache[tuple(key)] = program_for(key)
             if can_trust and not trusted and len(cache) == 1 and all(isinstance(k, tuple) for k in key):
                 trusted.append(program)
+                if 2 not in kinds:
+                    at = [i for i, k in enumerate(kinds) if k == 0]
+                    whole[0] = True if len(at) == len(kinds) else at
+                    whole[1] = tuple(fixed[i] for i in at)
         # recorded, the graph is compiled by XLA with the trace that holds it, and counted there;
         # run at once (debug mode, an inference graph in strict mode) the program counts its own compile
         rng = [x for _ in range(n_random) for x in _rng.next_inputs()] if n_random else ()
