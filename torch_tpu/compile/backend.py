@@ -938,7 +938,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, inference: bool = F
             else:
                 found = None
         if found is not None:
-            pass
+            pass  # read in C++ above
         elif trust:  # Dynamo's guards fixed each input's device, dims and dtype: its kind is known
             for a, kind, (shape, dtype) in zip(args, kinds, fixed):
                 if kind == 0:
